@@ -1,0 +1,52 @@
+"""The one assembly point of the HTTP service: `create_app(settings)` returns the Litestar app."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Litestar, Request, Response, get
+from litestar.openapi import OpenAPIConfig
+from litestar.openapi.plugins import SwaggerRenderPlugin
+
+from api.config import Settings
+from api.envelope import TraceIdMiddleware, handle_exception, ok
+from api.events.controller import EventsController
+from api.runtime import Runtime
+
+__all__ = ["create_app"]
+
+
+@get("/healthz", operation_id="healthz", tags=["ops"])
+async def healthz(request: Request[Any, Any, Any]) -> Response[bytes]:
+    runtime: Runtime = request.app.state.runtime
+    data = {
+        "status": "ready" if runtime.ready else "starting",
+        "catalog": runtime.catalog.fingerprint,
+        "realms": sorted(runtime.catalog.realms),
+        "schema_version": getattr(runtime, "schema_version", 0),
+    }
+    return ok(data, status=200 if runtime.ready else 503)
+
+
+def create_app(settings: Settings) -> Litestar:
+    runtime = Runtime(settings)
+
+    async def start(app: Litestar) -> None:
+        await runtime.start()
+
+    async def stop(app: Litestar) -> None:
+        await runtime.stop()
+
+    app = Litestar(
+        route_handlers=[healthz, EventsController],
+        on_startup=[start],
+        on_shutdown=[stop],
+        exception_handlers={Exception: handle_exception},
+        openapi_config=OpenAPIConfig(title="tollgate", version="0.1.0", path="/schema",
+                                     render_plugins=[SwaggerRenderPlugin()]),
+        request_max_body_size=settings.max_body_bytes,
+        debug=False,
+    )
+    app.state.runtime = runtime
+    app.asgi_handler = TraceIdMiddleware(app.asgi_handler)  # type: ignore[assignment]
+    return app

@@ -1,0 +1,233 @@
+"""The `tollgate` command: serve, keys, catalog, call.
+
+Every subcommand takes `--data-dir` (or TOLLGATE_DATA_DIR); `serve` also takes `--host` and
+`--port` (TOLLGATE_HOST, TOLLGATE_PORT). On its first start `serve` applies the demo catalog
+and creates a demo service key when the data folder has none, and prints how to call it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.request
+from importlib import resources
+from pathlib import Path
+
+from api.config import Settings
+from pipelines.catalog import CatalogInvalid, load_catalog
+from warehouse.catalog_store import CatalogStore
+from warehouse.keys import KeyNotFound, ServiceKeyStore
+
+__all__ = ["main"]
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    return Settings.from_env(args.data_dir, getattr(args, "host", None), getattr(args, "port", None))
+
+
+def _demo_catalog() -> str:
+    return resources.files("api").joinpath("demo/catalog.toml").read_text(encoding="utf-8")
+
+
+def apply_catalog(settings: Settings, text: str) -> tuple[bool, str]:
+    """Validate a whole catalog and apply it atomically; the message names every fault."""
+    try:
+        catalog = load_catalog(text)
+    except CatalogInvalid as exc:
+        return False, "\n".join(f"  {f}" for f in exc.faults)
+    store = CatalogStore(settings.catalog_dir)
+    previous = store.read()
+    if previous is not None:
+        faults = _grant_changes(previous, catalog)
+        if faults:
+            return False, "\n".join(f"  {f}" for f in faults)
+    store.apply(text, catalog.fingerprint)
+    realms = ", ".join(sorted(catalog.realms)) or "(none)"
+    return True, f"catalog {catalog.fingerprint} applied (realms: {realms})"
+
+
+def _grant_changes(previous_text: str, catalog: object) -> list[str]:
+    """Grants are idempotent by id: an id once applied may not come back with other terms."""
+    try:
+        previous = load_catalog(previous_text)
+    except CatalogInvalid:
+        return []
+    faults = []
+    for realm_id, realm in catalog.realms.items():  # type: ignore[attr-defined]
+        old_realm = previous.realms.get(realm_id)
+        if old_realm is None:
+            continue
+        old = {g.id: g for a in old_realm.accounts.values() for g in a.grants}
+        for acct in realm.accounts.values():
+            for i, g in enumerate(acct.grants):
+                if g.id in old and (old[g.id].amount_xusd, old[g.id].effective_at) != (g.amount_xusd, g.effective_at):
+                    faults.append(f"realms.{realm_id}.accounts.{acct.id}.grants[{i}]: grant id {g.id!r} "
+                                  "was applied before with another amount or effective_at; use a new id")
+    return faults
+
+
+def _bootstrap(settings: Settings) -> None:
+    store = CatalogStore(settings.catalog_dir)
+    if store.read() is None:
+        ok, message = apply_catalog(settings, _demo_catalog())
+        print(f"tollgate: no catalog yet, applied the demo catalog: {message}")
+    keys = ServiceKeyStore(settings.keys_path)
+    if not keys.load():
+        key = keys.create("acme")
+        print("tollgate: no service key yet, created a demo key for realm 'acme' "
+              f"(stored in {settings.keys_path}, mode 0600):")
+        print(json.dumps({"key_id": key.key_id, "secret": key.secret}))
+
+
+def _banner(settings: Settings) -> None:
+    base = f"http://{settings.host}:{settings.port}"
+    data_flag = f" --data-dir {settings.data_dir}"
+    print(f"""tollgate serving on {base}  (data: {settings.data_dir})
+  health:   curl {base}/healthz
+  OpenAPI:  {base}/schema
+  try it (signs with the stored demo key):
+    tollgate call POST /mgt/v1/events --account acct_prepaid --port {settings.port}{data_flag} \\
+      --data '{{"semantic_kind":"activity","event_type":"llm.completion","occurred_at":"2026-11-01T12:00:00Z","payload":{{"usage":{{"input_tokens":1200,"output_tokens":300}}}}}}'
+""", flush=True)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from api.app import create_app
+
+    settings = _settings(args)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    _bootstrap(settings)
+    app = create_app(settings)
+    _banner(settings)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, loop="uvloop",
+                            http="httptools", lifespan="on", log_level="warning",
+                            access_log=False, timeout_keep_alive=30)
+    uvicorn.Server(config).run()
+    return 0
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    store = ServiceKeyStore(_settings(args).keys_path)
+    if args.keys_cmd == "create":
+        key = store.create(args.realm)
+        print(json.dumps({"key_id": key.key_id, "secret": key.secret}))
+        return 0
+    if args.keys_cmd == "list":
+        for key in store.load().values():
+            print(json.dumps({"key_id": key.key_id, "realm": key.realm, "disabled": key.disabled,
+                              "created_at": key.created_at}))
+        return 0
+    try:
+        key = store.set_disabled(args.key_id, args.keys_cmd == "disable")
+    except KeyNotFound:
+        print(f"tollgate: no service key {args.key_id!r}", file=sys.stderr)
+        return 1
+    print(json.dumps({"key_id": key.key_id, "disabled": key.disabled}))
+    return 0
+
+
+def cmd_catalog(args: argparse.Namespace) -> int:
+    text = Path(args.file).read_text(encoding="utf-8")
+    if args.catalog_cmd == "check":
+        try:
+            catalog = load_catalog(text)
+        except CatalogInvalid as exc:
+            print(f"catalog {args.file} is invalid ({len(exc.faults)} faults):", file=sys.stderr)
+            print("\n".join(f"  {f}" for f in exc.faults), file=sys.stderr)
+            return 1
+        print(f"catalog {args.file} is valid (fingerprint {catalog.fingerprint}, "
+              f"realms: {', '.join(sorted(catalog.realms))})")
+        return 0
+    ok, message = apply_catalog(_settings(args), text)
+    print(message if ok else f"catalog {args.file} was not applied:\n{message}",
+          file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else 1
+
+
+def cmd_call(args: argparse.Namespace) -> int:
+    from api.auth import sign_headers
+
+    settings = _settings(args)
+    keys = [k for k in ServiceKeyStore(settings.keys_path).load().values() if not k.disabled]
+    if args.key_id:
+        keys = [k for k in keys if k.key_id == args.key_id]
+    if not keys:
+        print("tollgate: no enabled service key in the data folder", file=sys.stderr)
+        return 1
+    key = keys[0]
+    body = (args.data or "").encode()
+    headers = sign_headers(key_id=key.key_id, secret=key.secret, method=args.method, path=args.path,
+                           body=body, realm=args.realm or key.realm, principal_id=args.principal,
+                           billing_account_id=args.account, idempotency_key=args.idempotency_key)
+    request = urllib.request.Request(f"http://{settings.host}:{settings.port}{args.path}",
+                                     data=body if body else None, method=args.method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            status, text = response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        status, text = exc.code, exc.read().decode()
+    print(f"HTTP {status}")
+    try:
+        print(json.dumps(json.loads(text), indent=2))
+    except ValueError:
+        print(text)
+    return 0 if status < 400 else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tollgate", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_data_dir(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("--data-dir", help="data folder (TOLLGATE_DATA_DIR; default ./var)")
+        return p
+
+    def with_address(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("--host", help="bind address (TOLLGATE_HOST; default 127.0.0.1)")
+        p.add_argument("--port", type=int, help="port (TOLLGATE_PORT; default 8040)")
+        return p
+
+    serve = with_address(with_data_dir(sub.add_parser("serve", help="run the service")))
+    serve.set_defaults(func=cmd_serve)
+
+    keys = sub.add_parser("keys", help="service keys")
+    keys_sub = keys.add_subparsers(dest="keys_cmd", required=True)
+    create = with_data_dir(keys_sub.add_parser("create", help="create a key; prints its secret once"))
+    create.add_argument("--realm", required=True)
+    with_data_dir(keys_sub.add_parser("list", help="list keys (no secrets)"))
+    for name in ("disable", "enable"):
+        p = with_data_dir(keys_sub.add_parser(name, help=f"{name} a key"))
+        p.add_argument("key_id")
+    keys.set_defaults(func=cmd_keys)
+
+    catalog = sub.add_parser("catalog", help="check or apply a catalog")
+    cat_sub = catalog.add_subparsers(dest="catalog_cmd", required=True)
+    for name in ("check", "apply"):
+        p = with_data_dir(cat_sub.add_parser(name, help=f"{name} a catalog TOML file"))
+        p.add_argument("file")
+    catalog.set_defaults(func=cmd_catalog)
+
+    call = with_address(with_data_dir(sub.add_parser("call", help="send one signed request")))
+    call.add_argument("method")
+    call.add_argument("path")
+    call.add_argument("--data", help="JSON body")
+    call.add_argument("--account", help="X-Billing-Account-Id")
+    call.add_argument("--principal", help="X-Principal-Id")
+    call.add_argument("--realm", help="X-Realm-Id (default: the key's realm)")
+    call.add_argument("--key-id")
+    call.add_argument("--idempotency-key")
+    call.set_defaults(func=cmd_call)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

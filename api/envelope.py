@@ -1,0 +1,112 @@
+"""The envelope: the one builder of success and error bodies, and the one error mapping.
+
+Success: `{"ok": true, "code": "OK", "data": {...}, "hints": [...]}` (hints only when there
+are any). Error: `{"ok": false, "code", "message", "trace_id", "meta": {"status"}, "errors",
+"hints"}`. Every response carries `X-Request-Id` equal to the trace id (see `TraceIdMiddleware`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+from typing import Any
+
+import msgspec
+from litestar import Request, Response
+from litestar.exceptions import HTTPException
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.errors import AppError
+
+__all__ = ["TraceIdMiddleware", "error_response", "handle_exception", "ok", "trace_id_of"]
+
+log = logging.getLogger("tollgate.api")
+_encode = msgspec.json.encode
+_CLIENT_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
+JSON = "application/json"
+
+
+def ok(data: Any, *, status: int = 200, hints: list[dict[str, Any]] | None = None,
+       headers: dict[str, str] | None = None) -> Response[bytes]:
+    body: dict[str, Any] = {"ok": True, "code": "OK", "data": data}
+    if hints:
+        body["hints"] = hints
+    return Response(_encode(body), status_code=status, media_type=JSON, headers=headers)
+
+
+def error_body(trace_id: str, status: int, code: str, message: str,
+               errors: list[dict[str, Any]] | None = None,
+               hints: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {
+        "ok": False,
+        "code": code,
+        "message": message,
+        "trace_id": trace_id,
+        "meta": {"status": status},
+        "errors": errors or [],
+        "hints": hints or [],
+    }
+
+
+def error_response(trace_id: str, exc: AppError) -> Response[bytes]:
+    body = error_body(trace_id, exc.status, exc.code, exc.message, exc.errors, exc.hints)
+    return Response(_encode(body), status_code=exc.status, media_type=JSON, headers=exc.headers)
+
+
+def trace_id_of(scope: Scope) -> str:
+    return scope["state"].get("trace_id") or uuid.uuid4().hex  # type: ignore[no-any-return]
+
+
+_HTTP_CODES = {
+    400: "VALIDATION.MALFORMED_JSON",
+    401: "AUTH.UNAUTHORIZED",
+    404: "RESOURCE.ROUTE_NOT_FOUND",
+    405: "REQUEST.METHOD_NOT_ALLOWED",
+    413: "VALIDATION.BODY_TOO_LARGE",
+}
+
+
+def handle_exception(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
+    trace_id = trace_id_of(request.scope)
+    if isinstance(exc, AppError):
+        return error_response(trace_id, exc)
+    if isinstance(exc, HTTPException) and exc.status_code < 500:
+        status = exc.status_code
+        code = _HTTP_CODES.get(status, "REQUEST.INVALID")
+        message = "request body is larger than 16 MiB" if status == 413 else str(exc.detail)
+        return Response(_encode(error_body(trace_id, status, code, message)),
+                        status_code=status, media_type=JSON, headers=exc.headers)
+    log.exception("unhandled error (trace_id=%s)", trace_id)
+    return Response(_encode(error_body(trace_id, 500, "INTERNAL.ERROR", "internal error")),
+                    status_code=500, media_type=JSON)
+
+
+class TraceIdMiddleware:
+    """Gives each request a trace id (the caller's X-Request-Id when it is sane) and stamps it
+    on the response as X-Request-Id. Raw ASGI, so it costs next to nothing."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        trace = None
+        for name, value in scope["headers"]:
+            if name == b"x-request-id" and _CLIENT_ID.fullmatch(value):
+                trace = value.decode()
+                break
+        trace = trace or uuid.uuid4().hex
+        scope.setdefault("state", {})["trace_id"] = trace
+        raw = trace.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", []) if h[0].lower() != b"x-request-id"]
+                headers.append((b"x-request-id", raw))
+                message["headers"] = headers
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)

@@ -1,0 +1,90 @@
+"""The application's errors. Each carries its HTTP status and wire code; one handler in
+`api.envelope` turns any of them into the error envelope.
+
+    AppError                      (status, code, message, errors[], hints[], headers)
+    ├── BadRequest          400   VALIDATION.MALFORMED_JSON, VALIDATION.MISSING_CONTEXT, AUTH.MISSING_REALM
+    ├── Unauthorized        401   AUTH.UNAUTHORIZED, AUTH.SERVICE_KEY_NOT_FOUND, AUTH.INVALID_SERVICE_SIGNATURE,
+    │                             AUTH.STALE_SIGNATURE, AUTH.REPLAYED_NONCE
+    ├── PaymentRequired     402   QUOTA.EXHAUSTED, BUDGET.EXHAUSTED, FUNDING.INSUFFICIENT
+    ├── Forbidden           403   AUTH.SERVICE_KEY_DISABLED, AUTH.SERVICE_KEY_REALM_FORBIDDEN,
+    │                             AUTH.BILLING_ACCOUNT_MISMATCH
+    ├── Conflict            409   IDEMPOTENCY.*, LEASE.ALREADY_COMMITTED, LEASE.CANCELLED
+    ├── PayloadTooLarge     413   VALIDATION.BODY_TOO_LARGE
+    ├── Unprocessable       422   VALIDATION.INVALID_INPUT, VALIDATION.BATCH_TOO_LARGE, RESOURCE.NOT_FOUND,
+    │                             LEASE.*, FEATURE.METER_NOT_ALLOWED
+    ├── RateLimited         429   LIMIT.RATE_EXCEEDED
+    └── ServiceUnavailable  503   STORAGE.UNAVAILABLE
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "AppError",
+    "BadRequest",
+    "Conflict",
+    "Forbidden",
+    "PayloadTooLarge",
+    "PaymentRequired",
+    "RateLimited",
+    "ServiceUnavailable",
+    "Unauthorized",
+    "Unprocessable",
+]
+
+
+class AppError(Exception):
+    status = 500
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        *,
+        errors: list[dict[str, Any]] | None = None,
+        hints: list[dict[str, Any]] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.errors = errors or []
+        self.hints = hints or []
+        self.headers = headers or {}
+
+
+class BadRequest(AppError):
+    status = 400
+
+
+class Unauthorized(AppError):
+    status = 401
+
+
+class PaymentRequired(AppError):
+    status = 402
+
+
+class Forbidden(AppError):
+    status = 403
+
+
+class Conflict(AppError):
+    status = 409
+
+
+class PayloadTooLarge(AppError):
+    status = 413
+
+
+class Unprocessable(AppError):
+    status = 422
+
+
+class RateLimited(AppError):
+    status = 429
+
+
+class ServiceUnavailable(AppError):
+    status = 503

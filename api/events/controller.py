@@ -1,0 +1,128 @@
+"""POST /mgt/v1/events and /mgt/v1/events/batch: validate, hash, store once, answer.
+
+A single event answers 201 when new and 200 when its facts were seen before, with the
+identity stored at first acceptance. A batch always answers 207 with one result per item in
+input order. An answer is sent only once the event is committed to the operational file.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from litestar import Controller, Request, Response, post
+
+from api.clock import utcnow
+from api.envelope import ok
+from api.errors import AppError, BadRequest, Unprocessable
+from api.events.ingest import IngestOp, event_view, item_view
+from api.requests import authenticate, read_body
+from api.runtime import Runtime
+from pipelines.events import FieldError, ValidEvent, decode_event, validate_event
+from warehouse.writer import StorageUnavailable
+
+__all__ = ["EventsController"]
+
+
+class _BatchIn(msgspec.Struct):
+    events: list[msgspec.Raw] | None = None
+
+
+
+_decode_batch = msgspec.json.Decoder(_BatchIn).decode
+
+
+def _errors(found: list[FieldError]) -> list[dict[str, Any]]:
+    return [msgspec.structs.asdict(e) for e in found]
+
+
+def _malformed(exc: Exception) -> BadRequest:
+    return BadRequest("VALIDATION.MALFORMED_JSON", f"body is not a JSON object: {exc}")
+
+
+class EventsController(Controller):
+    path = "/mgt/v1/events"
+    tags = ["events"]
+
+    @post("/", operation_id="record_billing_event", status_code=201)
+    async def record(self, request: Request[Any, Any, Any]) -> Response[bytes]:
+        runtime: Runtime = request.app.state.runtime
+        body = await read_body(request)
+        ctx = authenticate(runtime, request, body)
+        realm, account = runtime.account_of_event_call(ctx)
+        try:
+            item = decode_event(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise _malformed(exc) from None
+        result = validate_event(item, realm=realm.id, billing_account_id=account, now=utcnow(),
+                                max_future_skew_seconds=realm.settings.max_future_skew_seconds,
+                                floats_normalized=True)
+        if not isinstance(result, ValidEvent):
+            raise Unprocessable("VALIDATION.INVALID_INPUT", "the event is invalid", errors=_errors(result))
+        stored = (await runtime.writer.submit(IngestOp(runtime.outbox, realm.id, [result], "single")))[0]
+        return ok(event_view(result, stored), status=201 if stored.accepted else 200)
+
+    @post("/batch", operation_id="record_billing_event_batch", status_code=207)
+    async def record_batch(self, request: Request[Any, Any, Any]) -> Response[bytes]:
+        runtime: Runtime = request.app.state.runtime
+        body = await read_body(request)
+        ctx = authenticate(runtime, request, body)
+        realm, account = runtime.account_of_event_call(ctx)
+        try:
+            batch = _decode_batch(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            if isinstance(exc, msgspec.ValidationError) and "$.events" in str(exc):
+                raise Unprocessable("VALIDATION.INVALID_INPUT", "events must be an array of event objects",
+                                    errors=[{"field": "events", "code": "VALIDATION.INVALID_TYPE",
+                                             "message": str(exc)}]) from None
+            raise _malformed(exc) from None
+        items = batch.events
+        limit = runtime.settings.max_batch_items
+        if items is None or not items:
+            raise Unprocessable("VALIDATION.INVALID_INPUT", f"a batch holds 1 to {limit} events",
+                                errors=[{"field": "events", "code": "VALIDATION.REQUIRED",
+                                         "message": "events must hold at least one event"}])
+        if len(items) > limit:
+            raise Unprocessable("VALIDATION.BATCH_TOO_LARGE",
+                                f"a batch holds at most {limit} events, got {len(items)}; nothing was written")
+        now = utcnow()
+        skew = realm.settings.max_future_skew_seconds
+        results: list[dict[str, Any]] = [{}] * len(items)
+        valid: list[tuple[int, ValidEvent]] = []
+        for index, raw in enumerate(items):
+            try:
+                item = decode_event(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                results[index] = {"index": index, "status": "invalid", "error": {
+                    "code": "VALIDATION.INVALID_TYPE", "message": "an event must be a JSON object",
+                    "field": f"events[{index}]"}}
+                continue
+            found = validate_event(item, realm=realm.id, billing_account_id=account, now=now,
+                                   max_future_skew_seconds=skew, floats_normalized=True)
+            if isinstance(found, ValidEvent):
+                valid.append((index, found))
+            else:
+                first = found[0]
+                results[index] = {"index": index, "status": "invalid", "error": {
+                    "code": first.code,
+                    "message": "; ".join(f"{e.field}: {e.message}" for e in found),
+                    "field": first.field}}
+        if valid:
+            try:
+                stored = await runtime.writer.submit(IngestOp(runtime.outbox, realm.id, [v for _, v in valid], "batch"))
+            except (StorageUnavailable, AppError) as exc:
+                for index, event in valid:
+                    results[index] = item_view(index, event, None, failure=str(exc))
+            else:
+                for (index, event), identity in zip(valid, stored):
+                    results[index] = item_view(index, event, identity)
+        counts = {"accepted": 0, "duplicate": 0, "invalid": 0, "failed": 0}
+        for r in results:
+            counts[r["status"]] += 1
+        return ok({
+            "results": results,
+            "accepted_count": counts["accepted"],
+            "duplicate_count": counts["duplicate"],
+            "invalid_count": counts["invalid"],
+            "failed_count": counts["invalid"] + counts["failed"],
+        }, status=207)

@@ -1,0 +1,101 @@
+"""What every benchmark shares: a real `tollgate serve` in a fresh data folder, and a lean
+HTTP/1.1 keep-alive client on loopback so the load generator costs as little CPU as possible
+(it shares the machine with the server)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    data_dir: Path
+    port: int
+    key_id: str
+    secret: str
+    proc: subprocess.Popen[bytes]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def start_server(catalog: Path | None = None) -> Server:
+    data_dir = Path(tempfile.mkdtemp(prefix="tollgate-bench-"))
+    cli = [sys.executable, "-m", "api.cli"]
+    subprocess.run([*cli, "catalog", "apply", str(catalog or ROOT / "api" / "demo" / "catalog.toml"),
+                    "--data-dir", str(data_dir)], check=True, capture_output=True, cwd=ROOT)
+    key = json.loads(subprocess.run([*cli, "keys", "create", "--realm", "acme", "--data-dir", str(data_dir)],
+                                    check=True, capture_output=True, text=True, cwd=ROOT).stdout)
+    port = free_port()
+    proc = subprocess.Popen([*cli, "serve", "--port", str(port), "--data-dir", str(data_dir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                if b" 200 " in s.recv(200):
+                    return Server(data_dir, port, key["key_id"], key["secret"], proc)
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+class Connection:
+    """One keep-alive HTTP/1.1 connection; requests go one at a time."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    @staticmethod
+    async def open(port: int) -> Connection:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return Connection(reader, writer)
+
+    async def request(self, method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, bytes]:
+        head = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", f"Content-Length: {len(body)}"]
+        head.extend(f"{k}: {v}" for k, v in headers.items())
+        self.writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
+        status_line = await self.reader.readline()
+        status = int(status_line.split(b" ", 2)[1])
+        length = 0
+        while True:
+            line = await self.reader.readline()
+            if line in (b"\r\n", b""):
+                break
+            name, _, value = line.partition(b":")
+            if name.lower() == b"content-length":
+                length = int(value)
+        return status, await self.reader.readexactly(length)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]

@@ -1,0 +1,123 @@
+"""Fixtures that run the real service: a subprocess `tollgate serve` on loopback over a real
+data folder, a real catalog applied with the real CLI, and real service keys."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from api.auth import sign_headers
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tollgate(*args: str, data_dir: Path, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "api.cli", *args, "--data-dir", str(data_dir)],
+                          capture_output=True, text=True, check=check)
+
+
+@dataclass
+class Key:
+    key_id: str
+    secret: str
+    realm: str = "acme"
+
+
+@dataclass
+class Service:
+    data_dir: Path
+    port: int
+    key: Key
+    proc: subprocess.Popen[bytes] | None = None
+    client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=30))
+    log_path: Path | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.log_path = self.data_dir / "serve.log"
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "api.cli", "serve", "--port", str(self.port),
+             "--data-dir", str(self.data_dir)],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.log_path.read_text()}")
+            try:
+                if httpx.get(f"{self.base_url}/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("server did not become ready")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def request(self, method: str, path: str, body: Any = None, *, raw: bytes | None = None,
+                key: Key | None = None, realm: str | None = None, account: str | None = None,
+                principal: str | None = None, idempotency_key: str | None = None,
+                headers: dict[str, str] | None = None, **sign_kw: Any) -> httpx.Response:
+        key = key or self.key
+        data = raw if raw is not None else (b"" if body is None else json.dumps(body).encode())
+        signed = sign_headers(key_id=key.key_id, secret=key.secret, method=method, path=path, body=data,
+                              realm=realm or key.realm, principal_id=principal,
+                              billing_account_id=account, idempotency_key=idempotency_key, **sign_kw)
+        signed.update(headers or {})
+        return self.client.request(method, self.base_url + path, content=data, headers=signed)
+
+    def post(self, path: str, body: Any = None, **kw: Any) -> httpx.Response:
+        return self.request("POST", path, body, **kw)
+
+
+def make_service(tmp: Path, catalog: Path = FIXTURES / "catalog.toml") -> Service:
+    tollgate("catalog", "apply", str(catalog), data_dir=tmp)
+    out = tollgate("keys", "create", "--realm", "acme", data_dir=tmp).stdout
+    created = json.loads(out)
+    return Service(data_dir=tmp, port=free_port(), key=Key(created["key_id"], created["secret"]))
+
+
+@pytest.fixture(scope="session")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    svc = make_service(tmp_path_factory.mktemp("svc"))
+    svc.start()
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture()
+def fresh_service(tmp_path: Path) -> Iterator[Service]:
+    """A service of its own, for tests that kill or restart it."""
+    svc = make_service(tmp_path)
+    yield svc
+    svc.stop(signal.SIGKILL)

@@ -1,0 +1,122 @@
+"""Every event validation rule of CONTRACT.md section 4, and label typing."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from typing import Any
+
+import msgspec
+import pytest
+
+from pipelines.events import EventIn, FieldError, ValidEvent, validate_event
+
+NOW = datetime(2026, 11, 22, 12, 0, tzinfo=timezone.utc)
+GOOD = {"semantic_kind": "outcome", "event_type": "job.done", "occurred_at": "2026-11-22T11:00:00Z"}
+
+
+def check(body: dict[str, Any]) -> ValidEvent | list[FieldError]:
+    item = msgspec.json.decode(json.dumps(body).encode(), type=EventIn)
+    return validate_event(item, realm="acme", billing_account_id="acct", now=NOW, max_future_skew_seconds=300)
+
+
+def faults(body: dict[str, Any]) -> dict[str, str]:
+    result = check(body)
+    assert isinstance(result, list), f"expected faults, got {result}"
+    return {e.field: e.code for e in result}
+
+
+def test_a_good_event_is_valid() -> None:
+    assert isinstance(check(GOOD), ValidEvent)
+
+
+@pytest.mark.parametrize(("change", "field", "code"), [
+    ({"semantic_kind": None}, "semantic_kind", "VALIDATION.REQUIRED"),
+    ({"semantic_kind": "usage"}, "semantic_kind", "VALIDATION.INVALID_VALUE"),
+    ({"event_type": None}, "event_type", "VALIDATION.REQUIRED"),
+    ({"event_type": "   "}, "event_type", "VALIDATION.REQUIRED"),
+    ({"event_type": 7}, "event_type", "VALIDATION.INVALID_TYPE"),
+    ({"event_type": "x" * 129}, "event_type", "VALIDATION.TOO_LONG"),
+    ({"subject_ref": "s" * 257}, "subject_ref", "VALIDATION.TOO_LONG"),
+    ({"subject_ref": 5}, "subject_ref", "VALIDATION.INVALID_TYPE"),
+    ({"occurred_at": None}, "occurred_at", "VALIDATION.REQUIRED"),
+    ({"occurred_at": "2026-11-22T11:00:00"}, "occurred_at", "VALIDATION.INVALID_TIMESTAMP"),
+    ({"occurred_at": "2026-13-01T00:00:00Z"}, "occurred_at", "VALIDATION.INVALID_TIMESTAMP"),
+    ({"occurred_at": "yesterday"}, "occurred_at", "VALIDATION.INVALID_TIMESTAMP"),
+    ({"occurred_at": 1700000000}, "occurred_at", "VALIDATION.INVALID_TIMESTAMP"),
+    ({"occurred_at": "2026-11-22T12:05:01Z"}, "occurred_at", "VALIDATION.IN_FUTURE"),
+    ({"labels": ["a"]}, "labels", "VALIDATION.INVALID_TYPE"),
+    ({"labels": {f"k{i}": i for i in range(33)}}, "labels", "VALIDATION.TOO_MANY"),
+    ({"labels": {"1bad": "x"}}, "labels.1bad", "VALIDATION.INVALID_VALUE"),
+    ({"labels": {"k" * 65: "x"}}, "labels." + "k" * 65, "VALIDATION.INVALID_VALUE"),
+    ({"labels": {"env": "x" * 257}}, "labels.env", "VALIDATION.TOO_LONG"),
+    ({"labels": {"env": {"nested": 1}}}, "labels.env", "VALIDATION.INVALID_TYPE"),
+    ({"labels": {"env": None}}, "labels.env", "VALIDATION.INVALID_TYPE"),
+    ({"labels": {"Env": "a", "env": "b"}}, "labels.env", "VALIDATION.DUPLICATE_KEY"),
+])
+def test_each_rule_names_its_field_and_code(change: dict[str, Any], field: str, code: str) -> None:
+    assert faults({**GOOD, **change}).get(field) == code
+
+
+def test_every_fault_of_an_event_is_reported_together() -> None:
+    found = faults({"semantic_kind": "x", "event_type": "", "occurred_at": "nope", "subject_ref": "s" * 300})
+    assert set(found) == {"semantic_kind", "event_type", "occurred_at", "subject_ref"}
+
+
+def test_limits_are_inclusive() -> None:
+    ok = check({**GOOD, "event_type": "x" * 128, "subject_ref": "s" * 256,
+                "occurred_at": "2026-11-22T12:05:00Z",
+                "labels": {f"k{i}": "v" * 256 for i in range(32)}})
+    assert isinstance(ok, ValidEvent)
+
+
+def test_event_type_is_trimmed_and_label_keys_lower_cased() -> None:
+    ok = check({**GOOD, "event_type": "  job.done ", "labels": {"Region": "EU", "Tier.Level": 2}})
+    assert isinstance(ok, ValidEvent)
+    assert ok.event_type == "job.done"
+    assert ok.labels == {"region": "EU", "tier.level": 2}
+
+
+def test_occurred_at_is_normalized_to_utc_microseconds() -> None:
+    ok = check({**GOOD, "occurred_at": "2026-11-22T13:00:00.1234567+02:00"})
+    assert isinstance(ok, ValidEvent)
+    assert ok.occurred_at == "2026-11-22T11:00:00.123457Z"
+
+
+LABELS = {
+    "plain": ("text", "value_text", "plain"),
+    "run": ("uuid", "value_uuid", "0b3c2a6e-8f1d-4c1e-9a55-3f1d2e4b5c6d"),
+    "upper": ("text", "value_text", "0B3C2A6E-8F1D-4C1E-9A55-3F1D2E4B5C6D"),  # not the canonical form
+    "nodash": ("text", "value_text", "0b3c2a6e8f1d4c1e9a553f1d2e4b5c6d"),
+    "yes": ("bool", "value_bool", True),
+    "no": ("bool", "value_bool", False),
+    "count": ("number", "value_number", 3),
+    "ratio": ("number", "value_number", 2.5),
+}
+
+
+def test_label_values_are_typed_into_exactly_one_slot(tmp_path) -> None:
+    import uuid
+
+    from warehouse.operational import open_operational
+    from warehouse.outbox import EventOutbox
+    from warehouse.writer import Transaction
+
+    ok = check({**GOOD, "labels": {k: v[2] for k, v in LABELS.items()}})
+    assert isinstance(ok, ValidEvent)
+    conn = open_operational(tmp_path / "op.duckdb")
+    outbox = EventOutbox(conn)
+    conn.execute("BEGIN")
+    tx = Transaction(conn, NOW)
+    outbox.stage(tx, "acme", ok, "single")
+    tx.flush()
+    conn.execute("COMMIT")
+    rows = conn.execute("SELECT key, slot, value_text, value_uuid, value_bool, value_number FROM event_labels").fetchall()
+    assert len(rows) == len(LABELS)
+    slots = ("value_text", "value_uuid", "value_bool", "value_number")
+    for key, slot, *values in rows:
+        expected_slot, column, value = LABELS[key]
+        assert slot == expected_slot, key
+        filled = {name: v for name, v in zip(slots, values) if v is not None}
+        expected = uuid.UUID(value) if column == "value_uuid" else value
+        assert filled == {column: expected}, key

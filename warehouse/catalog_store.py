@@ -1,0 +1,47 @@
+"""Where the applied catalog lives: the current document, and every applied version.
+
+`apply` writes the new document next to the current one and renames it into place, so the
+switch is atomic and a reader sees the old catalog or the new one, never a mix. Each applied
+document is also kept under `history/` with its time and fingerprint.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+
+__all__ = ["CatalogStore"]
+
+
+class CatalogStore:
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.current = folder / "current.toml"
+
+    def signature(self) -> tuple[int, int] | None:
+        try:
+            st = self.current.stat()
+        except FileNotFoundError:
+            return None
+        return (st.st_mtime_ns, st.st_ino)
+
+    def read(self) -> str | None:
+        try:
+            return self.current.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return None
+
+    def apply(self, text: str, fingerprint: str) -> Path:
+        history = self.folder / "history"
+        history.mkdir(parents=True, exist_ok=True)
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+        kept = history / f"{stamp}-{fingerprint}.toml"
+        kept.write_text(text, encoding="utf-8")
+        tmp = self.folder / f".current.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.current)
+        return kept

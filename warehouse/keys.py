@@ -1,0 +1,104 @@
+"""Service keys: a JSON file of their own under the data folder, readable only by the owner.
+
+A key has an id, a realm, a secret (base64 of 32 random bytes) and a disabled flag. The file
+is replaced atomically on every change, so a running server that polls it never reads half a
+file. Keys never go to the lake.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import secrets
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import msgspec
+
+__all__ = ["KeyNotFound", "ServiceKey", "ServiceKeyStore"]
+
+
+class KeyNotFound(Exception):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceKey:
+    key_id: str
+    realm: str
+    secret: str
+    disabled: bool
+    created_at: str
+
+    @property
+    def secret_bytes(self) -> bytes:
+        return base64.b64decode(self.secret)
+
+
+class _KeyRecord(msgspec.Struct):
+    realm: str
+    secret: str
+    created_at: str
+    disabled: bool = False
+
+
+class ServiceKeyStore:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def signature(self) -> tuple[int, int] | None:
+        """Changes whenever the file is replaced; the server polls it."""
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return None
+        return (st.st_mtime_ns, st.st_ino)
+
+    def load(self) -> dict[str, ServiceKey]:
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return {}
+        records = msgspec.json.decode(raw, type=dict[str, _KeyRecord])
+        return {
+            kid: ServiceKey(kid, r.realm, r.secret, r.disabled, r.created_at)
+            for kid, r in records.items()
+        }
+
+    def _save(self, keys: dict[str, ServiceKey]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        records = {
+            k.key_id: _KeyRecord(k.realm, k.secret, k.created_at, k.disabled) for k in keys.values()
+        }
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, msgspec.json.format(msgspec.json.encode(records)))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, self.path)
+
+    def create(self, realm: str) -> ServiceKey:
+        keys = self.load()
+        key = ServiceKey(
+            key_id="tgk_" + secrets.token_hex(12),
+            realm=realm,
+            secret=base64.b64encode(secrets.token_bytes(32)).decode(),
+            disabled=False,
+            created_at=datetime.now(timezone.utc).isoformat(),
+        )
+        keys[key.key_id] = key
+        self._save(keys)
+        return key
+
+    def set_disabled(self, key_id: str, disabled: bool = True) -> ServiceKey:
+        keys = self.load()
+        if key_id not in keys:
+            raise KeyNotFound(key_id)
+        old = keys[key_id]
+        keys[key_id] = ServiceKey(old.key_id, old.realm, old.secret, disabled, old.created_at)
+        self._save(keys)
+        return keys[key_id]
