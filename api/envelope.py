@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import re
-import uuid
+import itertools
+import os
 from typing import Any
 
 import msgspec
@@ -25,6 +26,13 @@ log = logging.getLogger("tollgate.api")
 _encode = msgspec.json.encode
 _CLIENT_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
 JSON = "application/json"
+# Trace ids need to be unique, not secret: a per-process random prefix and a counter.
+_TRACE_PREFIX = os.urandom(6).hex()
+_trace_counter = itertools.count(1)
+
+
+def new_trace_id() -> str:
+    return f"{_TRACE_PREFIX}{next(_trace_counter):012x}"
 
 
 def ok(data: Any, *, status: int = 200, hints: list[dict[str, Any]] | None = None,
@@ -55,7 +63,7 @@ def error_response(trace_id: str, exc: AppError) -> Response[bytes]:
 
 
 def trace_id_of(scope: Scope) -> str:
-    return scope["state"].get("trace_id") or uuid.uuid4().hex  # type: ignore[no-any-return]
+    return scope["state"].get("trace_id") or new_trace_id()  # type: ignore[no-any-return]
 
 
 _HTTP_CODES = {
@@ -98,7 +106,7 @@ class TraceIdMiddleware:
             if name == b"x-request-id" and _CLIENT_ID.fullmatch(value):
                 trace = value.decode()
                 break
-        trace = trace or uuid.uuid4().hex
+        trace = trace or new_trace_id()
         scope.setdefault("state", {})["trace_id"] = trace
         raw = trace.encode()
 

@@ -1,11 +1,11 @@
 """The event outbox: accepted events with their labels, deduplicated atomically.
 
-Dedupe is on `event_id`, which is derived from (realm, billing_account_id, request_hash), so
-the primary key of `events` is the dedupe identity; a fixed 16-byte key keeps the index fast
-where a composite text key slowed inserts threefold as the table grew. Within one group the
-first occurrence of an identity wins (queue order), and against the file the insert is
-`ON CONFLICT DO NOTHING RETURNING`, so under any concurrency exactly one request sees its
-event as new.
+The dedupe identity is `event_id`, derived from (realm, billing_account_id, request_hash).
+The writer thread keeps the set of every stored `event_id` (as a 128-bit int, about 70 bytes
+an event) and decides new-or-duplicate against it in queue order, so under any concurrency
+exactly one request sees an event as new. New events then go in with a plain Arrow insert;
+the primary key on `event_id` stays as the file's own guard. Measured here, `INSERT ... ON
+CONFLICT DO NOTHING RETURNING` cost 1.5 ms more per group and a third of batch throughput.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import duckdb
 import msgspec
 import pyarrow as pa
 
-__all__ = ["EventOutbox", "OutboxEvent", "StoredIdentity"]
+__all__ = ["EventOutbox", "OutboxEvent", "StoredIdentity", "event_key"]
 
 
 class OutboxEvent(Protocol):
@@ -37,12 +37,12 @@ class OutboxEvent(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class StoredIdentity:
-    """The outcome for one event: new or not, and what was stored at first acceptance."""
+    """The outcome for one event: new or not, and what was stored at first acceptance
+    (`created_at` and `labels` are None for a duplicate nobody asked to look up)."""
 
     accepted: bool
-    created_at: datetime
-    labels: dict[str, Any]
-    seq: int
+    created_at: datetime | None
+    labels: dict[str, Any] | None
 
 
 _EVENT_SCHEMA = pa.schema([
@@ -65,6 +65,11 @@ _encode = msgspec.json.encode
 _decode = msgspec.json.decode
 
 
+def event_key(event_id: str) -> int:
+    """The 128-bit integer of a UUID string: a compact set member."""
+    return int(event_id.replace("-", ""), 16)
+
+
 class EventOutbox:
     """Owned by the writer thread: stages events during a group, writes them at its flush."""
 
@@ -72,33 +77,63 @@ class EventOutbox:
         self.reload(conn)
 
     def reload(self, conn: duckdb.DuckDBPyConnection) -> None:
+        """Rebuild from the file: at start, and after a group that failed to commit."""
         row = conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()
         self.last_seq = int(row[0]) if row else 0
+        ids = conn.execute("SELECT replace(event_id::VARCHAR, '-', '') FROM events").fetchall()
+        self._known: set[int] = {int(r[0], 16) for r in ids}
+
+    def __len__(self) -> int:
+        return len(self._known)
 
     def stage(self, tx: Any, realm: str, event: OutboxEvent, ingest_path: str) -> None:
-        pending: list[tuple[str, OutboxEvent, str]] = tx.scratch.setdefault("outbox", [])
-        pending.append((realm, event, ingest_path))
+        tx.scratch.setdefault("outbox", []).append((realm, event, ingest_path))
         tx.on_flush("outbox", self._flush)
-
-    @staticmethod
-    def identity(tx: Any, event_id: str) -> StoredIdentity:
-        return tx.scratch["outbox_result"][event_id]
 
     def _flush(self, tx: Any) -> None:
         pending: list[tuple[str, OutboxEvent, str]] = tx.scratch.get("outbox", [])
         results: dict[str, StoredIdentity] = {}
         tx.scratch["outbox_result"] = results
-        first: dict[str, tuple[str, OutboxEvent, str]] = {}
+        tx.scratch["outbox_first"] = first = {}
+        known = self._known
+        fresh: list[tuple[str, OutboxEvent, str]] = []
+        look_up: list[str] = []
+        # A single-event reply shows what was stored at first acceptance, so a duplicate that
+        # any single request of the group carries is read back; batch replies need no read.
+        wants_stored = {ev.event_id for _, ev, path in pending if path == "single"}
         for item in pending:
-            first.setdefault(item[1].event_id, item)
-        if not first:
-            return
+            event = item[1]
+            eid = event.event_id
+            if eid in first:
+                continue  # a repeat inside the group: the op reports it as a duplicate
+            first[eid] = event
+            key = event_key(eid)
+            if key in known:
+                if eid in wants_stored:
+                    look_up.append(eid)
+                else:
+                    results[eid] = StoredIdentity(False, None, None)
+            else:
+                known.add(key)
+                fresh.append(item)
         now = tx.now
-        created_us = int(now.timestamp() * 1_000_000)
-        seq0 = self.last_seq
-        items = list(first.values())
-        events = [ev for _, ev, _ in items]
+        if fresh:
+            self._insert(tx.conn, fresh, now)
+            for _, event, _ in fresh:
+                results[event.event_id] = StoredIdentity(True, now, event.labels)
+        if look_up:
+            marks = ", ".join("?::UUID" for _ in look_up)
+            for eid, labels, created_at in tx.conn.execute(
+                f"SELECT event_id::VARCHAR, labels, created_at FROM events WHERE event_id IN ({marks})",
+                look_up,
+            ).fetchall():
+                results[eid] = StoredIdentity(False, created_at, _decode(labels))
+
+    def _insert(self, conn: duckdb.DuckDBPyConnection, items: list[tuple[str, OutboxEvent, str]],
+                now: datetime) -> None:
         n = len(items)
+        seq0 = self.last_seq
+        events = [ev for _, ev, _ in items]
         batch = pa.Table.from_arrays([  # noqa: F841 (read by DuckDB below)
             pa.array(range(seq0 + 1, seq0 + n + 1), pa.int64()),
             pa.array([ev.event_id for ev in events], pa.string()),
@@ -111,27 +146,12 @@ class EventOutbox:
             pa.array([ev.subject_ref for ev in events], pa.string()),
             pa.array([ev.payload_json for ev in events], pa.binary()),
             pa.array([_encode(ev.labels) for ev in events], pa.binary()),
-            pa.array([created_us] * n, pa.timestamp("us", tz="UTC")),
+            pa.array([int(now.timestamp() * 1_000_000)] * n, pa.timestamp("us", tz="UTC")),
             pa.array([path for _, _, path in items], pa.string()),
         ], schema=_EVENT_SCHEMA)
-        inserted = {
-            r[0] for r in tx.conn.execute(
-                "INSERT INTO events SELECT seq, event_id::UUID, realm, billing_account_id, request_hash, "
-                "semantic_kind, event_type, occurred_at, subject_ref, decode(payload), decode(labels), "
-                "created_at, ingest_path FROM batch ON CONFLICT DO NOTHING RETURNING event_id::VARCHAR"
-            ).fetchall()
-        }
+        conn.execute(
+            "INSERT INTO events SELECT seq, event_id::UUID, realm, billing_account_id, request_hash, "
+            "semantic_kind, event_type, occurred_at, subject_ref, decode(payload), decode(labels), "
+            "created_at, ingest_path FROM batch"
+        )
         self.last_seq = seq0 + n
-        existing = [eid for eid in first if eid not in inserted]
-        if existing:
-            ids = pa.table({"id": existing})  # noqa: F841 (read by DuckDB)
-            for eid, labels, created_at, seq in tx.conn.execute(
-                "SELECT e.event_id, e.labels, e.created_at, e.seq FROM events e "
-                "JOIN ids ON e.event_id = ids.id::UUID"
-            ).fetchall():
-                results[str(eid)] = StoredIdentity(False, created_at, _decode(labels), seq)
-        for i, ev in enumerate(events):
-            if ev.event_id in inserted:
-                results[ev.event_id] = StoredIdentity(True, now, ev.labels, seq0 + 1 + i)
-        # A repeat inside the group is a duplicate of its first occurrence.
-        tx.scratch["outbox_first"] = {eid: item for eid, item in first.items()}

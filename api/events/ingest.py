@@ -37,8 +37,8 @@ class IngestOp:
         out = []
         for event in self.events:
             identity: StoredIdentity = stored[event.event_id]
-            if identity.accepted and first[event.event_id][1] is not event:
-                identity = StoredIdentity(False, identity.created_at, identity.labels, identity.seq)
+            if identity.accepted and first[event.event_id] is not event:
+                identity = StoredIdentity(False, identity.created_at, identity.labels)
             out.append(identity)
         return out
 
@@ -53,8 +53,8 @@ def event_view(event: ValidEvent, stored: StoredIdentity) -> dict[str, Any]:
         "occurred_at": event.occurred_at,
         "subject_ref": event.subject_ref,
         "payload": event.payload,
-        "labels": stored.labels,
-        "created_at": format_instant(stored.created_at),
+        "labels": stored.labels if stored.labels is not None else event.labels,
+        "created_at": format_instant(stored.created_at) if stored.created_at else None,
     }
 
 
