@@ -24,8 +24,10 @@ async def healthz(request: Request[Any, Any, Any]) -> Response[bytes]:
         "catalog": runtime.catalog.fingerprint,
         "realms": sorted(runtime.catalog.realms),
         "schema_version": getattr(runtime, "schema_version", 0),
+        "writer": "running" if runtime.ready and not runtime.writer.closed else "down",
     }
-    return ok(data, status=200 if runtime.ready else 503)
+    ready = runtime.ready and not runtime.writer.closed
+    return ok(data, status=200 if ready else 503)
 
 
 def create_app(settings: Settings) -> Litestar:

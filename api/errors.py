@@ -53,6 +53,18 @@ class AppError(Exception):
         self.hints = hints or []
         self.headers = headers or {}
 
+    def to_wire(self) -> dict[str, Any]:
+        """The error as it crosses from the writer process to the service."""
+        return {"status": self.status, "code": self.code, "message": self.message,
+                "errors": self.errors, "hints": self.hints, "headers": self.headers}
+
+    @staticmethod
+    def from_wire(payload: dict[str, Any]) -> AppError:
+        cls = _BY_STATUS.get(int(payload.get("status", 500)), AppError)
+        return cls(str(payload.get("code", "INTERNAL.ERROR")), str(payload.get("message", "")),
+                   errors=payload.get("errors"), hints=payload.get("hints"),
+                   headers=payload.get("headers"))
+
 
 class BadRequest(AppError):
     status = 400
@@ -88,3 +100,10 @@ class RateLimited(AppError):
 
 class ServiceUnavailable(AppError):
     status = 503
+
+
+_BY_STATUS: dict[int, type[AppError]] = {
+    cls.status: cls
+    for cls in (BadRequest, Unauthorized, PaymentRequired, Forbidden, Conflict, PayloadTooLarge,
+                Unprocessable, RateLimited, ServiceUnavailable)
+}

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import subprocess
+import sys
 from typing import Any
+
+import msgspec
 
 from api.auth import AuthContext, Authenticator
 from api.config import Settings
@@ -18,9 +23,8 @@ from api.errors import BadRequest, Unprocessable
 from pipelines.catalog import Catalog, CatalogInvalid, Realm, load_catalog
 from warehouse.catalog_store import CatalogStore
 from warehouse.keys import ServiceKeyStore
-from warehouse.operational import open_operational, schema_version
-from warehouse.outbox import EventOutbox
-from warehouse.writer import GroupCommitWriter
+from api.errors import AppError
+from warehouse.writer import RemoteFailure, WriterClient
 
 __all__ = ["Runtime"]
 
@@ -41,12 +45,21 @@ class Runtime:
 
     # ---- life cycle -------------------------------------------------------------------
     async def start(self) -> None:
-        self.conn = open_operational(self.settings.operational_path)
-        self.schema_version = schema_version(self.conn)
-        self.outbox = EventOutbox(self.conn)
-        self.writer = GroupCommitWriter(self.conn, on_rollback=self._rebuild)
-        self.writer.start()
+        from api.writer_host import RESULT_TYPES
+
         self.refresh()
+        ours, theirs = socket.socketpair()
+        self.settings.data_dir.mkdir(parents=True, exist_ok=True)
+        self._writer_proc = subprocess.Popen(
+            [sys.executable, "-m", "api.writer_host", "--fd", str(theirs.fileno()),
+             "--data-dir", str(self.settings.data_dir)],
+            pass_fds=[theirs.fileno()],
+        )
+        theirs.close()
+        hello = await asyncio.to_thread(_read_hello, ours, self._writer_proc)
+        self.schema_version = int(hello["schema_version"])
+        self.writer = WriterClient(ours, RESULT_TYPES)
+        await self.writer.start()
         self._tasks.append(asyncio.create_task(self._poll_files()))
         self.ready = True
 
@@ -54,12 +67,18 @@ class Runtime:
         self.ready = False
         for task in self._tasks:
             task.cancel()
-        self.writer.stop()
-        self.conn.close()
+        await self.writer.close()
+        try:
+            await asyncio.to_thread(self._writer_proc.wait, 30)
+        except subprocess.TimeoutExpired:
+            self._writer_proc.kill()
 
-    def _rebuild(self, conn: Any) -> None:
-        """After a failed group: in-memory state follows the file again."""
-        self.outbox.reload(conn)
+    async def write(self, op: Any) -> Any:
+        """Send one op to the writer process; its failure arrives as the matching AppError."""
+        try:
+            return await self.writer.submit(op)
+        except RemoteFailure as exc:
+            raise AppError.from_wire(exc.payload) from None
 
     # ---- catalog and keys -------------------------------------------------------------
     def refresh(self) -> None:
@@ -105,3 +124,16 @@ class Runtime:
             raise Unprocessable("RESOURCE.NOT_FOUND",
                                 f"unknown billing account {ctx.billing_account_id!r}")
         return realm, ctx.billing_account_id
+
+
+def _read_hello(sock: socket.socket, proc: subprocess.Popen[bytes]) -> dict[str, Any]:
+    """Wait for the writer process to open the file and say it is ready."""
+    sock.settimeout(120)
+    try:
+        head = sock.recv(4, socket.MSG_WAITALL)
+        if len(head) < 4:
+            raise RuntimeError(f"the writer process exited during start (code {proc.poll()})")
+        body = sock.recv(int.from_bytes(head, "big"), socket.MSG_WAITALL)
+    finally:
+        sock.settimeout(None)
+    return msgspec.msgpack.decode(body)  # type: ignore[no-any-return]

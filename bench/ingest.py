@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import msgspec  # noqa: E402
 
 from api.auth import sign_headers  # noqa: E402
+from api.events.ingest import to_record  # noqa: E402
 from bench.loopback import Connection, percentile, start_server  # noqa: E402
 from pipelines.events import ValidEvent, decode_event, validate_event  # noqa: E402
 from warehouse.operational import open_operational  # noqa: E402
@@ -102,7 +103,7 @@ def raw_limit(bodies: list[bytes]) -> float:
         conn.execute("BEGIN")
         tx = Transaction(conn, now)
         for ev in events:
-            outbox.stage(tx, "acme", ev, "batch")
+            outbox.stage(tx, "acme", to_record(ev), "batch")
         tx.flush()
         conn.execute("COMMIT")
         n += len(events)

@@ -98,6 +98,7 @@ LABELS = {
 def test_label_values_are_typed_into_exactly_one_slot(tmp_path) -> None:
     import uuid
 
+    from api.events.ingest import to_record
     from warehouse.operational import open_operational
     from warehouse.outbox import EventOutbox
     from warehouse.writer import Transaction
@@ -108,7 +109,7 @@ def test_label_values_are_typed_into_exactly_one_slot(tmp_path) -> None:
     outbox = EventOutbox(conn)
     conn.execute("BEGIN")
     tx = Transaction(conn, NOW)
-    outbox.stage(tx, "acme", ok, "single")
+    outbox.stage(tx, "acme", to_record(ok), "single")
     tx.flush()
     conn.execute("COMMIT")
     rows = conn.execute("SELECT key, slot, value_text, value_uuid, value_bool, value_number FROM event_labels").fetchall()

@@ -1,55 +1,64 @@
-"""The group-commit writer: one thread owns the operational connection.
+"""The group-commit writer: one process owns the operational file.
 
-Handlers put a `WriteOp` on the writer's queue and await its future. The writer takes
-everything that is waiting, applies the ops in queue order inside one transaction, flushes
-the rows they staged, commits, and only then resolves each future with its own outcome. So a
-reply is sent only after its commit (2xx means durable), and a thousand requests cost one
-commit, not a thousand.
+The service sends each write as an op (a msgspec Struct) over a socket to the writer
+process and awaits the reply. The writer takes everything waiting, applies the ops in
+arrival order inside one transaction, flushes the rows they staged, commits, and only then
+replies to each with its own outcome. So a reply is sent only after its commit (2xx means
+durable), and a thousand requests cost one commit, not a thousand.
 
-An op's `apply` must either stage all of its writes or raise before staging any, so one bad
-op fails alone. If the flush or the commit fails, every op of the group fails with
-`StorageUnavailable` and the `on_rollback` hook rebuilds whatever in-memory state the ops
-touched from the file.
+Why a process and not a thread: measured here, a DuckDB insert of 30 rows plus its commit
+took 3.8 ms alone and 19.7 ms while another Python thread was busy, because each return from
+DuckDB waits for the GIL that the HTTP loop holds. In its own process the writer never waits.
+
+An op's handler must either stage all of its writes or raise before staging any, so one bad
+op fails alone. If the flush or the commit fails, every op of the group fails with status
+503 and `on_rollback` rebuilds the in-memory state from the file.
+
+Wire: frames of a 4-byte big-endian length and a msgpack body. Request `[id, op]`, reply
+`[id, ok, value]` where value is the result, or on failure `{status, code, message, ...}`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
-from collections.abc import Callable
-from concurrent.futures import Future
+import select
+import socket
+import struct
+import time
+from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
 import duckdb
+import msgspec
 
-__all__ = ["GroupCommitWriter", "StorageUnavailable", "Transaction", "WriteOp"]
+__all__ = ["Handler", "RemoteFailure", "Transaction", "WriterClient", "run_writer"]
 
 log = logging.getLogger("tollgate.writer")
+_LEN = struct.Struct(">I")
+_encode = msgspec.msgpack.Encoder().encode
 
 
-class StorageUnavailable(Exception):
-    """The group's transaction could not be committed; nothing of it is durable."""
+class RemoteFailure(Exception):
+    """An op failed in the writer; `payload` holds status, code, message and more."""
+
+    def __init__(self, payload: dict[str, Any]) -> None:
+        super().__init__(payload.get("message", "write failed"))
+        self.payload = payload
 
 
 class Transaction:
-    """What the ops of one group share: the connection, and staged rows flushed in one go.
+    """What the ops of one group share: the connection, the group's clock reading, staged
+    rows, and flush steps that run once after every op has applied."""
 
-    `stage(table, row)` queues a row for a bulk insert; `on_flush` registers work that needs
-    the database after every op has applied (such as the event dedupe insert) and runs in
-    registration order; `after_commit` runs once the commit is durable.
-    """
-
-    __slots__ = ("conn", "now", "_rows", "_flushers", "_after_commit", "scratch")
+    __slots__ = ("conn", "now", "_rows", "_flushers", "scratch")
 
     def __init__(self, conn: duckdb.DuckDBPyConnection, now: datetime) -> None:
         self.conn = conn
         self.now = now
         self._rows: dict[str, list[tuple[Any, ...]]] = {}
         self._flushers: dict[str, Callable[[Transaction], None]] = {}
-        self._after_commit: list[Callable[[], None]] = []
         self.scratch: dict[str, Any] = {}
 
     def stage(self, table: str, row: tuple[Any, ...]) -> None:
@@ -57,9 +66,6 @@ class Transaction:
 
     def on_flush(self, name: str, flusher: Callable[[Transaction], None]) -> None:
         self._flushers.setdefault(name, flusher)
-
-    def after_commit(self, callback: Callable[[], None]) -> None:
-        self._after_commit.append(callback)
 
     def flush(self) -> None:
         for flusher in self._flushers.values():
@@ -69,133 +75,161 @@ class Transaction:
             self.conn.executemany(f"INSERT INTO {table} VALUES ({marks})", rows)
 
 
-class WriteOp(Protocol):
-    def apply(self, tx: Transaction) -> None:
-        """Decide and stage writes; raise to fail this op alone (before staging anything)."""
-
-    def outcome(self, tx: Transaction) -> Any:
-        """The op's result, read after the flush and before the commit."""
+class Handler(Protocol):
+    def apply(self, tx: Transaction, op: Any) -> Callable[[], Any]:
+        """Decide and stage writes; return a thunk that yields the outcome after the flush.
+        Raise to fail this op alone (before staging anything)."""
 
 
-_STOP = object()
+def _failure(exc: BaseException) -> dict[str, Any]:
+    wire = getattr(exc, "to_wire", None)
+    if callable(wire):
+        return wire()  # type: ignore[no-any-return]
+    log.exception("op failed", exc_info=exc)
+    return {"status": 500, "code": "INTERNAL.ERROR", "message": "internal error"}
 
 
-class GroupCommitWriter:
-    def __init__(
-        self,
-        conn: duckdb.DuckDBPyConnection,
-        *,
-        on_rollback: Callable[[duckdb.DuckDBPyConnection], None] | None = None,
-        max_group: int = 4096,
-        clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
-    ) -> None:
-        self._conn = conn
-        self._clock = clock
-        self._on_rollback = on_rollback
-        self._max_group = max_group
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="tollgate-writer", daemon=True)
-        self.groups = 0
-        self.ops = 0
+def _frames(buf: bytearray) -> Iterable[bytes]:
+    """Pop every complete frame from the front of `buf`."""
+    start = 0
+    while len(buf) - start >= 4:
+        (size,) = _LEN.unpack_from(buf, start)
+        if len(buf) - start - 4 < size:
+            break
+        yield bytes(buf[start + 4:start + 4 + size])
+        start += 4 + size
+    del buf[:start]
 
-    def start(self) -> None:
-        self._thread.start()
 
-    def stop(self) -> None:
-        self._queue.put(_STOP)
-        self._thread.join()
+def _frame(payload: bytes) -> bytes:
+    return _LEN.pack(len(payload)) + payload
 
-    def call(self, fn: Callable[[duckdb.DuckDBPyConnection], Any]) -> Future[Any]:
-        """Run `fn(conn)` on the writer thread between groups (reads, maintenance)."""
-        fut: Future[Any] = Future()
-        self._queue.put((fn, fut, None))
-        return fut
 
-    async def submit(self, op: WriteOp) -> Any:
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._queue.put((op, fut, loop))
+def run_writer(
+    conn: duckdb.DuckDBPyConnection,
+    sock: socket.socket,
+    decode_request: Callable[[bytes], tuple[int, Any]],
+    handlers: dict[type, Handler],
+    *,
+    on_rollback: Callable[[duckdb.DuckDBPyConnection], None],
+    tick: Callable[[duckdb.DuckDBPyConnection], None] | None = None,
+    tick_seconds: float = 0.5,
+    clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
+) -> None:
+    """The writer process's loop; returns when the service closes its end of the socket."""
+    buf = bytearray()
+    next_tick = time.monotonic() + tick_seconds
+    sock.setblocking(False)
+    while True:
+        wait = max(0.0, next_tick - time.monotonic())
+        readable, _, _ = select.select([sock], [], [], wait)
+        if readable:
+            try:
+                while True:
+                    chunk = sock.recv(4 << 20)
+                    if not chunk:
+                        return
+                    buf += chunk
+            except BlockingIOError:
+                pass
+            requests = [decode_request(frame) for frame in _frames(buf)]
+            if requests:
+                replies = _run_group(conn, requests, handlers, on_rollback, clock())
+                sock.setblocking(True)
+                sock.sendall(b"".join(_frame(_encode(r)) for r in replies))
+                sock.setblocking(False)
+        if tick is not None and time.monotonic() >= next_tick:
+            try:
+                tick(conn)
+            except Exception:
+                log.exception("writer tick failed")
+            next_tick = time.monotonic() + tick_seconds
+
+
+def _run_group(conn: duckdb.DuckDBPyConnection, requests: list[tuple[int, Any]],
+               handlers: dict[type, Handler],
+               on_rollback: Callable[[duckdb.DuckDBPyConnection], None],
+               now: datetime) -> list[tuple[int, bool, Any]]:
+    replies: list[tuple[int, bool, Any]] = []
+    pending: list[tuple[int, Callable[[], Any]]] = []
+    tx = Transaction(conn, now)
+    conn.execute("BEGIN")
+    try:
+        for rid, op in requests:
+            try:
+                pending.append((rid, handlers[type(op)].apply(tx, op)))
+            except Exception as exc:
+                replies.append((rid, False, _failure(exc)))
+        tx.flush()
+        for rid, outcome in pending:
+            try:
+                replies.append((rid, True, outcome()))
+            except Exception as exc:
+                replies.append((rid, False, _failure(exc)))
+        conn.execute("COMMIT")
+    except Exception as exc:
+        log.exception("group commit failed; %d ops rolled back", len(pending))
+        try:
+            conn.execute("ROLLBACK")
+        except duckdb.Error:
+            pass
+        on_rollback(conn)
+        failure = {"status": 503, "code": "STORAGE.UNAVAILABLE",
+                   "message": f"the write could not be committed; retry ({exc.__class__.__name__})"}
+        return [(rid, False, failure) for rid, _ in requests]
+    return replies
+
+
+class WriterClient:
+    """The service's end: send ops, await replies. Runs on the service's event loop."""
+
+    def __init__(self, sock: socket.socket, result_types: dict[type, Any]) -> None:
+        self._sock = sock
+        self._result_types = result_types
+        self._next_id = 1
+        self._waiting: dict[int, tuple[asyncio.Future[Any], Any]] = {}
+        self._reply_decoder = msgspec.msgpack.Decoder(tuple[int, bool, msgspec.Raw])
+        self._failure_decoder = msgspec.msgpack.Decoder(dict[str, Any])
+        self.closed = False
+
+    async def start(self) -> None:
+        self._reader, self._writer = await asyncio.open_unix_connection(sock=self._sock)
+        self._task = asyncio.create_task(self._read_replies())
+
+    async def submit(self, op: Any) -> Any:
+        if self.closed:
+            raise RemoteFailure({"status": 503, "code": "STORAGE.UNAVAILABLE",
+                                 "message": "the writer is not running"})
+        rid = self._next_id
+        self._next_id += 1
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = (fut, self._result_types[type(op)])
+        self._writer.write(_frame(_encode((rid, op))))
         return await fut
 
-    def _run(self) -> None:
-        while True:
-            first = self._queue.get()
-            if first is _STOP:
-                return
-            group = [first]
-            stop = False
-            while len(group) < self._max_group:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is _STOP:
-                    stop = True
-                    break
-                group.append(item)
-            self._run_group(group)
-            if stop:
-                return
-
-    def _run_group(self, group: list[tuple[Any, Any, Any]]) -> None:
-        results: list[tuple[Any, Any, Any, bool]] = []
-        calls = [g for g in group if g[2] is None]
-        ops = [g for g in group if g[2] is not None]
-        for fn, fut, _ in calls:
-            try:
-                fut.set_result(fn(self._conn))
-            except Exception as exc:  # handed to the caller, who decides
-                fut.set_exception(exc)
-        if not ops:
-            return
-        tx = Transaction(self._conn, self._clock())
-        applied: list[tuple[WriteOp, Any, Any]] = []
-        self._conn.execute("BEGIN")
+    async def _read_replies(self) -> None:
         try:
-            for op, fut, loop in ops:
-                try:
-                    op.apply(tx)
-                except Exception as exc:
-                    results.append((fut, loop, exc, False))
+            while True:
+                head = await self._reader.readexactly(4)
+                body = await self._reader.readexactly(_LEN.unpack(head)[0])
+                rid, ok, raw = self._reply_decoder.decode(body)
+                fut, result_type = self._waiting.pop(rid)
+                if fut.done():
                     continue
-                applied.append((op, fut, loop))
-            tx.flush()
-            for op, fut, loop in applied:
-                try:
-                    results.append((fut, loop, op.outcome(tx), True))
-                except Exception as exc:
-                    results.append((fut, loop, exc, False))
-            self._conn.execute("COMMIT")
-        except Exception as exc:
-            log.exception("group commit failed; %d ops rolled back", len(applied))
-            try:
-                self._conn.execute("ROLLBACK")
-            except duckdb.Error:
-                pass
-            if self._on_rollback is not None:
-                self._on_rollback(self._conn)
-            failure = StorageUnavailable(str(exc))
-            results = [(fut, loop, failure, False) for _, fut, loop in ops]
-        else:
-            for callback in tx._after_commit:
-                try:
-                    callback()
-                except Exception:
-                    log.exception("after-commit callback failed")
-        self.groups += 1
-        self.ops += len(ops)
-        by_loop: dict[Any, list[tuple[Any, Any, bool]]] = {}
-        for fut, loop, value, ok in results:
-            by_loop.setdefault(loop, []).append((fut, value, ok))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_resolve_all, items)
+                if ok:
+                    fut.set_result(msgspec.msgpack.decode(raw, type=result_type))
+                else:
+                    fut.set_exception(RemoteFailure(self._failure_decoder.decode(raw)))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.closed = True
+            log.error("the writer process went away")
+            for fut, _ in self._waiting.values():
+                if not fut.done():
+                    fut.set_exception(RemoteFailure({"status": 503, "code": "STORAGE.UNAVAILABLE",
+                                                     "message": "the writer process went away"}))
+            self._waiting.clear()
 
-
-def _resolve_all(items: list[tuple[asyncio.Future[Any], Any, bool]]) -> None:
-    for fut, value, ok in items:
-        if fut.done():
-            continue
-        if ok:
-            fut.set_result(value)
-        else:
-            fut.set_exception(value)
+    async def close(self) -> None:
+        self.closed = True
+        self._writer.close()
+        self._task.cancel()

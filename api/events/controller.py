@@ -15,11 +15,10 @@ from litestar import Controller, Request, Response, post
 from api.clock import utcnow
 from api.envelope import ok
 from api.errors import AppError, BadRequest, Unprocessable
-from api.events.ingest import IngestOp, event_view, item_view
+from api.events.ingest import IngestOp, event_view, item_view, to_record
 from api.requests import authenticate, read_body
 from api.runtime import Runtime
 from pipelines.events import FieldError, ValidEvent, decode_event, validate_event
-from warehouse.writer import StorageUnavailable
 
 __all__ = ["EventsController"]
 
@@ -59,7 +58,7 @@ class EventsController(Controller):
                                 floats_normalized=True)
         if not isinstance(result, ValidEvent):
             raise Unprocessable("VALIDATION.INVALID_INPUT", "the event is invalid", errors=_errors(result))
-        stored = (await runtime.writer.submit(IngestOp(runtime.outbox, realm.id, [result], "single")))[0]
+        stored = (await runtime.write(IngestOp(realm.id, "single", [to_record(result)])))[0]
         return ok(event_view(result, stored), status=201 if stored.accepted else 200)
 
     @post("/batch", operation_id="record_billing_event_batch", status_code=207)
@@ -109,8 +108,10 @@ class EventsController(Controller):
                     "field": first.field}}
         if valid:
             try:
-                stored = await runtime.writer.submit(IngestOp(runtime.outbox, realm.id, [v for _, v in valid], "batch"))
-            except (StorageUnavailable, AppError) as exc:
+                stored = await runtime.write(IngestOp(realm.id, "batch", [to_record(v) for _, v in valid]))
+            except AppError as exc:
+                if exc.status != 503:
+                    raise
                 for index, event in valid:
                     results[index] = item_view(index, event, None, failure=str(exc))
             else:

@@ -1,49 +1,71 @@
-"""The write op that stores events through the group-commit writer, and the views of a
-stored event that the endpoints return."""
+"""The write op that stores events through the writer process, its handler there, and the
+views of a stored event that the endpoints return."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Any, ClassVar
+
+import msgspec
 
 from pipelines.events import ValidEvent, format_instant
-from warehouse.outbox import EventOutbox, StoredIdentity
+from warehouse.outbox import EventOutbox, EventRecord, Stored
 from warehouse.writer import Transaction
 
-__all__ = ["IngestOp", "event_view", "item_view"]
+__all__ = ["IngestHandler", "IngestOp", "event_view", "item_view", "to_record"]
+
+_encode = msgspec.json.encode
+_decode = msgspec.json.decode
 
 
-class IngestOp:
-    """Stage events in the outbox; the outcome is one `StoredIdentity` per event, in order.
+class IngestOp(msgspec.Struct, tag="ingest", array_like=True, frozen=True):
+    """Store these events of one realm; the outcome is one `Stored` per event, in order."""
 
-    An event that repeats an earlier one of the same group (this request's or another's) is
-    a duplicate of that first occurrence."""
+    result_type: ClassVar[Any] = list[Stored]
+    realm: str
+    path: str  # single | batch
+    events: list[EventRecord]
 
-    __slots__ = ("outbox", "realm", "events", "path")
 
-    def __init__(self, outbox: EventOutbox, realm: str, events: list[ValidEvent], path: str) -> None:
+def to_record(event: ValidEvent) -> EventRecord:
+    return EventRecord(event.event_id, event.request_hash, event.billing_account_id,
+                       event.semantic_kind, event.event_type, event.occurred_at_us,
+                       event.subject_ref, event.payload_json, _encode(event.labels))
+
+
+class IngestHandler:
+    """Runs in the writer process. An event that repeats an earlier one of the same group
+    (this request's or another's) is a duplicate of that first occurrence."""
+
+    def __init__(self, outbox: EventOutbox) -> None:
         self.outbox = outbox
-        self.realm = realm
-        self.events = events
-        self.path = path
 
-    def apply(self, tx: Transaction) -> None:
+    def apply(self, tx: Transaction, op: IngestOp) -> Callable[[], list[Stored]]:
         stage = self.outbox.stage
-        for event in self.events:
-            stage(tx, self.realm, event, self.path)
+        for event in op.events:
+            stage(tx, op.realm, event, op.path)
 
-    def outcome(self, tx: Transaction) -> list[StoredIdentity]:
-        stored = tx.scratch["outbox_result"]
-        first = tx.scratch["outbox_first"]
-        out = []
-        for event in self.events:
-            identity: StoredIdentity = stored[event.event_id]
-            if identity.accepted and first[event.event_id] is not event:
-                identity = StoredIdentity(False, identity.created_at, identity.labels)
-            out.append(identity)
-        return out
+        def outcome() -> list[Stored]:
+            stored: dict[str, Stored] = tx.scratch["outbox_result"]
+            first: dict[str, EventRecord] = tx.scratch["outbox_first"]
+            out = []
+            for event in op.events:
+                identity = stored[event.event_id]
+                if identity.accepted and first[event.event_id] is not event:
+                    identity = Stored(False, identity.created_at_us, identity.labels_json)
+                out.append(identity)
+            return out
+
+        return outcome
 
 
-def event_view(event: ValidEvent, stored: StoredIdentity) -> dict[str, Any]:
+def _instant(us: int) -> str:
+    return format_instant(datetime.fromtimestamp(us / 1_000_000, tz=timezone.utc).replace(
+        microsecond=us % 1_000_000))
+
+
+def event_view(event: ValidEvent, stored: Stored) -> dict[str, Any]:
     return {
         "event_id": event.event_id,
         "request_hash": event.request_hash,
@@ -53,12 +75,12 @@ def event_view(event: ValidEvent, stored: StoredIdentity) -> dict[str, Any]:
         "occurred_at": event.occurred_at,
         "subject_ref": event.subject_ref,
         "payload": event.payload,
-        "labels": stored.labels if stored.labels is not None else event.labels,
-        "created_at": format_instant(stored.created_at) if stored.created_at else None,
+        "labels": _decode(stored.labels_json) if stored.labels_json is not None else event.labels,
+        "created_at": _instant(stored.created_at_us) if stored.created_at_us is not None else None,
     }
 
 
-def item_view(index: int, event: ValidEvent, stored: StoredIdentity | None,
+def item_view(index: int, event: ValidEvent, stored: Stored | None,
               failure: str | None = None) -> dict[str, Any]:
     if stored is None:
         return {"index": index, "status": "failed", "event_id": event.event_id,
