@@ -21,14 +21,44 @@ from typing import Any
 import msgspec
 
 from api.events.ingest import IngestHandler, IngestOp
+from pipelines.catalog import Catalog, CatalogInvalid, load_catalog
+from warehouse.catalog_store import CatalogStore
 from warehouse.operational import open_operational, schema_version
 from warehouse.outbox import EventOutbox
 from warehouse.writer import run_writer
 
-__all__ = ["OPS", "RESULT_TYPES", "main"]
+__all__ = ["OPS", "RESULT_TYPES", "CatalogView", "main"]
 
 OPS = IngestOp
 RESULT_TYPES: dict[type, Any] = {IngestOp: IngestOp.result_type}
+
+log = logging.getLogger("tollgate.writer")
+
+
+class CatalogView:
+    """The applied catalog as the writer process sees it, re-read when the file changes."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self._store = CatalogStore(data_dir / "catalog")
+        self._sig: Any = None
+        self.current = Catalog.empty()
+        self.refresh()
+
+    def refresh(self) -> bool:
+        """Re-read the catalog if it changed; True when a new one was loaded."""
+        sig = self._store.signature()
+        if sig == self._sig:
+            return False
+        self._sig = sig
+        text = self._store.read()
+        if text is None:
+            return False
+        try:
+            self.current = load_catalog(text)
+        except CatalogInvalid as exc:
+            log.error("applied catalog is invalid, keeping the previous one: %s", exc)
+            return False
+        return True
 
 
 def _die_with_parent() -> None:
@@ -46,13 +76,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _die_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
+    data_dir = Path(args.data_dir)
     sock = socket.socket(fileno=args.fd)
-    conn = open_operational(Path(args.data_dir) / "operational.duckdb")
+    conn = open_operational(data_dir / "operational.duckdb")
+    catalog = CatalogView(data_dir)
     outbox = EventOutbox(conn)
-    handlers = {IngestOp: IngestHandler(outbox)}
+    ingest = IngestHandler(outbox)
+    handlers = {IngestOp: ingest}
 
     def rebuild(c: Any) -> None:
         outbox.reload(c)
+
+    def tick(c: Any) -> None:
+        catalog.refresh()
+
+    def after_group(c: Any) -> None:
+        ingest.accepted_singles.clear()
 
     decoder = msgspec.msgpack.Decoder(tuple[int, OPS])
 
@@ -62,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     hello = msgspec.msgpack.encode({"ready": True, "schema_version": schema_version(conn),
                                     "events": len(outbox)})
     sock.sendall(len(hello).to_bytes(4, "big") + hello)
-    run_writer(conn, sock, decode_request, handlers, on_rollback=rebuild)
+    run_writer(conn, sock, decode_request, handlers, on_rollback=rebuild, tick=tick,
+               after_group=after_group)
     conn.close()
     return 0
 

@@ -62,6 +62,121 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
         );
         """,
     ),
+    (
+        2,
+        """
+        -- The gate. A lease row is written once; its state changes are appended to
+        -- lease_transitions (latest wins), so no row is ever updated on the hot path.
+        CREATE TABLE leases (
+            lease_id            VARCHAR PRIMARY KEY,
+            token_sha256        VARCHAR NOT NULL,
+            realm               VARCHAR NOT NULL,
+            principal_id        VARCHAR NOT NULL,
+            billing_account_id  VARCHAR NOT NULL,
+            user_id             VARCHAR,
+            feature_code        VARCHAR NOT NULL,
+            feature_family_code VARCHAR,
+            held_quantity_minor BIGINT NOT NULL,
+            held_amount_xusd    BIGINT NOT NULL,
+            holds               JSON NOT NULL,    -- the limit keys this lease holds against
+            created_at          TIMESTAMPTZ NOT NULL,
+            expires_at          TIMESTAMPTZ NOT NULL,
+            labels              JSON NOT NULL
+        );
+        CREATE TABLE lease_transitions (
+            lease_id  VARCHAR NOT NULL,
+            state       VARCHAR NOT NULL,         -- committed | cancelled | expired
+            happened_at TIMESTAMPTZ NOT NULL,
+            reason      VARCHAR
+        );
+        CREATE TABLE commits (
+            seq                BIGINT NOT NULL,
+            commit_id          VARCHAR NOT NULL,
+            lease_id           VARCHAR NOT NULL,
+            realm              VARCHAR NOT NULL,
+            billing_account_id VARCHAR NOT NULL,
+            principal_id       VARCHAR NOT NULL,
+            feature_code       VARCHAR NOT NULL,
+            quantity_minor     BIGINT NOT NULL,
+            amount_xusd        BIGINT NOT NULL,
+            committed_at       TIMESTAMPTZ NOT NULL,
+            lease_expired      BOOLEAN NOT NULL,
+            body_json          JSON NOT NULL,      -- the first commit body, for replays
+            reply_json         JSON NOT NULL,      -- the first reply's data
+            labels             JSON NOT NULL
+        );
+        -- Priced lines of commits, in commit order (seq): the lake's gate_commit ratings.
+        CREATE TABLE commit_lines (
+            seq                 BIGINT NOT NULL,
+            line_id             VARCHAR NOT NULL,
+            commit_id           VARCHAR NOT NULL,
+            lease_id            VARCHAR NOT NULL,
+            realm               VARCHAR NOT NULL,
+            billing_account_id  VARCHAR NOT NULL,
+            principal_id        VARCHAR NOT NULL,
+            feature_code        VARCHAR NOT NULL,
+            meter_code          VARCHAR NOT NULL,
+            quantity_minor      BIGINT NOT NULL,
+            price_id            VARCHAR,           -- NULL: no price configured (amount 0)
+            unit_price_xusd     BIGINT,
+            unit_quantity_minor BIGINT,
+            rounding            VARCHAR,
+            carried_before      BIGINT NOT NULL,
+            remainder_after     BIGINT NOT NULL,
+            amount_xusd         BIGINT NOT NULL,
+            pricing_fingerprint VARCHAR,
+            committed_at        TIMESTAMPTZ NOT NULL
+        );
+        CREATE TABLE grants (
+            realm              VARCHAR NOT NULL,
+            billing_account_id VARCHAR NOT NULL,
+            grant_id           VARCHAR NOT NULL,
+            amount_xusd        BIGINT NOT NULL,
+            effective_at       TIMESTAMPTZ NOT NULL,
+            recorded_at        TIMESTAMPTZ NOT NULL,
+            PRIMARY KEY (realm, grant_id)
+        );
+        CREATE TABLE idempotency (
+            realm        VARCHAR NOT NULL,
+            principal_id VARCHAR NOT NULL,
+            endpoint     VARCHAR NOT NULL,
+            idem_key     VARCHAR NOT NULL,
+            body_sha256  VARCHAR NOT NULL,
+            status       INTEGER NOT NULL,
+            reply        BLOB NOT NULL,
+            headers      JSON NOT NULL,
+            stored_at    TIMESTAMPTZ NOT NULL
+        );
+        -- Inline ratings of single events, rated right after the event is durable.
+        CREATE TABLE inline_ratings (
+            seq                 BIGINT NOT NULL,
+            rating_id           VARCHAR NOT NULL,
+            event_id            UUID NOT NULL,
+            realm               VARCHAR NOT NULL,
+            billing_account_id  VARCHAR NOT NULL,
+            status              VARCHAR NOT NULL,
+            policy_id           VARCHAR,
+            policy_version      VARCHAR,
+            feature_code        VARCHAR,
+            meter_code          VARCHAR,
+            quantity_minor      BIGINT,
+            price_id            VARCHAR,
+            unit_price_xusd     BIGINT,
+            unit_quantity_minor BIGINT,
+            amount_xusd         BIGINT,
+            occurred_at         TIMESTAMPTZ NOT NULL,
+            rated_at            TIMESTAMPTZ NOT NULL,
+            line_index          INTEGER
+        );
+        -- Export to the lake: the last exported seq of each stream, and its export id.
+        CREATE TABLE export_watermarks (
+            stream      VARCHAR PRIMARY KEY,      -- events | commit_lines | inline_ratings
+            last_seq    BIGINT NOT NULL,
+            export_id   BIGINT NOT NULL,
+            exported_at TIMESTAMPTZ NOT NULL
+        );
+        """,
+    ),
 )
 
 

@@ -114,9 +114,13 @@ def run_writer(
     on_rollback: Callable[[duckdb.DuckDBPyConnection], None],
     tick: Callable[[duckdb.DuckDBPyConnection], None] | None = None,
     tick_seconds: float = 0.5,
+    after_group: Callable[[duckdb.DuckDBPyConnection], None] | None = None,
     clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
 ) -> None:
-    """The writer process's loop; returns when the service closes its end of the socket."""
+    """The writer process's loop; returns when the service closes its end of the socket.
+
+    `tick` runs every `tick_seconds` between groups (lease expiry and other timed work);
+    `after_group` runs after each group's replies are sent."""
     buf = bytearray()
     next_tick = time.monotonic() + tick_seconds
     sock.setblocking(False)
@@ -138,6 +142,13 @@ def run_writer(
                 sock.setblocking(True)
                 sock.sendall(b"".join(_frame(_encode(r)) for r in replies))
                 sock.setblocking(False)
+                if after_group is not None:
+                    # Work that follows a durable group and must never change its replies
+                    # (such as rating newly accepted single events inline).
+                    try:
+                        after_group(conn)
+                    except Exception:
+                        log.exception("after-group step failed")
         if tick is not None and time.monotonic() >= next_tick:
             try:
                 tick(conn)

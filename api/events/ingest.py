@@ -40,6 +40,9 @@ class IngestHandler:
 
     def __init__(self, outbox: EventOutbox) -> None:
         self.outbox = outbox
+        # Newly accepted single events of committed groups, waiting to be rated inline
+        # (drained by the writer host's after-group step).
+        self.accepted_singles: list[tuple[str, EventRecord]] = []
 
     def apply(self, tx: Transaction, op: IngestOp) -> Callable[[], list[Stored]]:
         stage = self.outbox.stage
@@ -54,6 +57,8 @@ class IngestHandler:
                 identity = stored[event.event_id]
                 if identity.accepted and first[event.event_id] is not event:
                     identity = Stored(False, identity.created_at_us, identity.labels_json)
+                elif identity.accepted and op.path == "single":
+                    self.accepted_singles.append((op.realm, event))
                 out.append(identity)
             return out
 

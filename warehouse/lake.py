@@ -1,0 +1,147 @@
+"""The lake: DuckLake tables that flows, analysts and the service's exporter share.
+
+Locally the DuckLake catalog is a SQLite file and the data a folder of Parquet files under
+`<data>/lake/`, so several processes can read and write at once; at scale the catalog is
+PostgreSQL and the data an object store (same tables, other ATTACH string). Every table is
+append-only. The extensions come from the `duckdb-extension-*` wheels and install offline.
+
+DuckDB's SQLite attach has no busy timeout, so a writer or reader can meet `database is
+locked` while another process commits: `with_lake_retry` retries such a step.
+
+Tables (all times UTC):
+
+    events           event_id UUID, realm, billing_account_id, request_hash, semantic_kind,
+                     event_type, occurred_at TIMESTAMPTZ, subject_ref, payload JSON, labels JSON,
+                     created_at TIMESTAMPTZ, ingest_path, seq BIGINT, export_id BIGINT
+    event_labels     event_id UUID, realm, billing_account_id, key, slot (text|uuid|bool|number),
+                     value_text, value_uuid UUID, value_bool BOOLEAN, value_number DOUBLE, export_id
+    ratings          rating_id, run_id, source (event|gate_commit), source_id, event_id UUID,
+                     realm, billing_account_id, status (rated|reversal|skipped_no_policy|quarantined),
+                     policy_id, policy_version, feature_code, meter_code, quantity_minor BIGINT,
+                     price_id, unit_price_xusd BIGINT, unit_quantity_minor BIGINT,
+                     amount_xusd BIGINT, occurred_at TIMESTAMPTZ, rated_at TIMESTAMPTZ,
+                     line_index INTEGER
+    rating_runs      run_id, kind (sweep|rerate|inline|gate|aggregate), status, started_at,
+                     finished_at, params JSON, events BIGINT, lines BIGINT
+    usage_reports    period (day|month), period_start DATE, realm, billing_account_id,
+                     feature_code, meter_code, quantity_minor BIGINT, amount_xusd BIGINT,
+                     event_count BIGINT, line_count BIGINT, run_id, published_at TIMESTAMPTZ
+    catalog_versions fingerprint, applied_at TIMESTAMPTZ, source
+    catalog_prices   fingerprint, realm, meter_code, price_id, unit_price_xusd BIGINT,
+                     unit_quantity_minor BIGINT, rounding, effective_at TIMESTAMPTZ
+    catalog_policy_versions  fingerprint, realm, policy_id, version, engine,
+                     effective_at TIMESTAMPTZ, dsl_json
+    catalog_features fingerprint, realm, feature_code, family, primary_meter, meters VARCHAR[]
+    export_log       stream, export_id BIGINT, from_seq BIGINT, to_seq BIGINT, rows BIGINT,
+                     exported_at TIMESTAMPTZ
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import duckdb
+
+__all__ = ["LAKE_TABLES", "attach_lake", "connect_lake", "lake_paths", "with_lake_retry"]
+
+T = TypeVar("T")
+
+LAKE_TABLES: dict[str, str] = {
+    "events": """
+        event_id UUID, realm VARCHAR, billing_account_id VARCHAR, request_hash VARCHAR,
+        semantic_kind VARCHAR, event_type VARCHAR, occurred_at TIMESTAMPTZ, subject_ref VARCHAR,
+        payload JSON, labels JSON, created_at TIMESTAMPTZ, ingest_path VARCHAR, seq BIGINT,
+        export_id BIGINT""",
+    "event_labels": """
+        event_id UUID, realm VARCHAR, billing_account_id VARCHAR, key VARCHAR, slot VARCHAR,
+        value_text VARCHAR, value_uuid UUID, value_bool BOOLEAN, value_number DOUBLE,
+        export_id BIGINT""",
+    "ratings": """
+        rating_id VARCHAR, run_id VARCHAR, source VARCHAR, source_id VARCHAR, event_id UUID,
+        realm VARCHAR, billing_account_id VARCHAR, status VARCHAR, policy_id VARCHAR,
+        policy_version VARCHAR, feature_code VARCHAR, meter_code VARCHAR, quantity_minor BIGINT,
+        price_id VARCHAR, unit_price_xusd BIGINT, unit_quantity_minor BIGINT, amount_xusd BIGINT,
+        occurred_at TIMESTAMPTZ, rated_at TIMESTAMPTZ, line_index INTEGER""",
+    "rating_runs": """
+        run_id VARCHAR, kind VARCHAR, status VARCHAR, started_at TIMESTAMPTZ,
+        finished_at TIMESTAMPTZ, params JSON, events BIGINT, lines BIGINT""",
+    "usage_reports": """
+        period VARCHAR, period_start DATE, realm VARCHAR, billing_account_id VARCHAR,
+        feature_code VARCHAR, meter_code VARCHAR, quantity_minor BIGINT, amount_xusd BIGINT,
+        event_count BIGINT, line_count BIGINT, run_id VARCHAR, published_at TIMESTAMPTZ""",
+    "catalog_versions": "fingerprint VARCHAR, applied_at TIMESTAMPTZ, source VARCHAR",
+    "catalog_prices": """
+        fingerprint VARCHAR, realm VARCHAR, meter_code VARCHAR, price_id VARCHAR,
+        unit_price_xusd BIGINT, unit_quantity_minor BIGINT, rounding VARCHAR,
+        effective_at TIMESTAMPTZ""",
+    "catalog_policy_versions": """
+        fingerprint VARCHAR, realm VARCHAR, policy_id VARCHAR, version VARCHAR, engine VARCHAR,
+        effective_at TIMESTAMPTZ, dsl_json VARCHAR""",
+    "catalog_features": """
+        fingerprint VARCHAR, realm VARCHAR, feature_code VARCHAR, family VARCHAR,
+        primary_meter VARCHAR, meters VARCHAR[]""",
+    "export_log": """
+        stream VARCHAR, export_id BIGINT, from_seq BIGINT, to_seq BIGINT, rows BIGINT,
+        exported_at TIMESTAMPTZ""",
+}
+
+
+def lake_paths(data_dir: Path) -> tuple[Path, Path]:
+    """(catalog file, data folder) of the lake under a data folder."""
+    root = data_dir / "lake"
+    return root / "catalog.sqlite", root / "data"
+
+
+def _load_extensions(conn: duckdb.DuckDBPyConnection) -> None:
+    import duckdb_extension_ducklake
+    import duckdb_extension_sqlite
+
+    for module, name in ((duckdb_extension_ducklake, "ducklake"), (duckdb_extension_sqlite, "sqlite")):
+        try:
+            conn.execute(f"LOAD {name}")
+        except duckdb.Error:
+            version = duckdb.__version__
+            path = Path(module.__file__).parent / "extensions" / f"v{version}" / f"{name}.duckdb_extension"
+            conn.execute(f"INSTALL '{path}'")
+            conn.execute(f"LOAD {name}")
+
+
+def with_lake_retry(step: Callable[[], T], *, attempts: int = 50, pause: float = 0.05) -> T:
+    """Run `step`, retrying while another process holds the SQLite catalog."""
+    for attempt in range(attempts):
+        try:
+            return step()
+        except duckdb.Error as exc:
+            text = str(exc).lower()
+            if attempt + 1 == attempts or not ("locked" in text or "busy" in text or "conflict" in text):
+                raise
+            time.sleep(pause * (1 + attempt % 10))
+    raise AssertionError("unreachable")
+
+
+def attach_lake(conn: duckdb.DuckDBPyConnection, data_dir: Path, *, read_only: bool = False,
+                alias: str = "lake") -> None:
+    """Attach the lake to `conn` as `alias`, creating its folder and tables when writable."""
+    catalog, data = lake_paths(data_dir)
+    _load_extensions(conn)
+    conn.execute("SET TimeZone = 'UTC'")
+    if read_only and not catalog.exists():
+        raise FileNotFoundError(f"no lake at {catalog.parent}; start the service or apply a catalog first")
+    catalog.parent.mkdir(parents=True, exist_ok=True)
+    data.mkdir(parents=True, exist_ok=True)
+    options = f"DATA_PATH '{data}/'" + (", READ_ONLY" if read_only else "")
+    with_lake_retry(lambda: conn.execute(f"ATTACH 'ducklake:sqlite:{catalog}' AS {alias} ({options})"))
+    if not read_only:
+        for table, columns in LAKE_TABLES.items():
+            with_lake_retry(lambda t=table, c=columns: conn.execute(
+                f"CREATE TABLE IF NOT EXISTS {alias}.{t} ({c})"))
+
+
+def connect_lake(data_dir: Path, *, read_only: bool = False) -> duckdb.DuckDBPyConnection:
+    """A new in-memory DuckDB connection with the lake attached as `lake`."""
+    conn = duckdb.connect()
+    attach_lake(conn, data_dir, read_only=read_only)
+    return conn
