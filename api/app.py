@@ -11,6 +11,7 @@ from litestar.openapi.plugins import SwaggerRenderPlugin
 from api.config import Settings
 from api.envelope import TraceIdMiddleware, handle_exception, ok
 from api.events.controller import EventsController
+from api.gate.controller import GateController
 from api.runtime import Runtime
 
 __all__ = ["create_app"]
@@ -40,7 +41,7 @@ def create_app(settings: Settings) -> Litestar:
         await runtime.stop()
 
     app = Litestar(
-        route_handlers=[healthz, EventsController],
+        route_handlers=[healthz, EventsController, GateController],
         on_startup=[start],
         on_shutdown=[stop],
         exception_handlers={Exception: handle_exception},

@@ -24,6 +24,7 @@ from pipelines.catalog import Catalog, CatalogInvalid, Realm, load_catalog
 from warehouse.catalog_store import CatalogStore
 from warehouse.keys import ServiceKeyStore
 from api.errors import AppError
+from api.gate.limits import RateLimiter
 from warehouse.writer import RemoteFailure, WriterClient
 
 __all__ = ["Runtime"]
@@ -41,6 +42,9 @@ class Runtime:
         self._key_sig: Any = None
         self._catalog_sig: Any = None
         self._tasks: list[asyncio.Task[None]] = []
+        self.rate_limiter = RateLimiter()
+        # Idempotency scopes whose first request is still being answered (409 IN_PROGRESS).
+        self.idempotency_in_flight: set[tuple[str, str, str, str]] = set()
         self.ready = False
 
     # ---- life cycle -------------------------------------------------------------------

@@ -20,7 +20,10 @@ from typing import Any
 
 import msgspec
 
+from api.clock import utcnow
 from api.events.ingest import IngestHandler, IngestOp
+from api.gate.book import GateBook
+from api.gate.ops import AuthorizeOp, CancelOp, CommitOp, RecordOutcomeOp
 from pipelines.catalog import Catalog, CatalogInvalid, load_catalog
 from warehouse.catalog_store import CatalogStore
 from warehouse.operational import open_operational, schema_version
@@ -29,8 +32,8 @@ from warehouse.writer import run_writer
 
 __all__ = ["OPS", "RESULT_TYPES", "CatalogView", "main"]
 
-OPS = IngestOp
-RESULT_TYPES: dict[type, Any] = {IngestOp: IngestOp.result_type}
+OPS = IngestOp | AuthorizeOp | CommitOp | CancelOp | RecordOutcomeOp
+RESULT_TYPES: dict[type, Any] = {op: op.result_type for op in OPS.__args__}  # type: ignore[attr-defined]
 
 log = logging.getLogger("tollgate.writer")
 
@@ -61,6 +64,15 @@ class CatalogView:
         return True
 
 
+class _Adapter:
+    """A gate method as a writer handler."""
+
+    __slots__ = ("apply",)
+
+    def __init__(self, method: Any) -> None:
+        self.apply = method
+
+
 def _die_with_parent() -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -82,13 +94,30 @@ def main(argv: list[str] | None = None) -> int:
     catalog = CatalogView(data_dir)
     outbox = EventOutbox(conn)
     ingest = IngestHandler(outbox)
-    handlers = {IngestOp: ingest}
+    gate = GateBook(lambda: catalog.current, utcnow)
+    gate.rebuild(conn)
+    handlers: dict[type, Any] = {
+        IngestOp: ingest,
+        AuthorizeOp: _Adapter(gate.authorize),
+        CommitOp: _Adapter(gate.commit),
+        CancelOp: _Adapter(gate.cancel),
+        RecordOutcomeOp: _Adapter(gate.record_outcome),
+    }
 
     def rebuild(c: Any) -> None:
         outbox.reload(c)
+        gate.rebuild(c)
+
+    ticks = 0
 
     def tick(c: Any) -> None:
-        catalog.refresh()
+        nonlocal ticks
+        ticks += 1
+        if catalog.refresh():
+            gate.sync_grants(c)
+        gate.expire_due(c)
+        if ticks % 600 == 0:
+            gate.forget_old()
 
     def after_group(c: Any) -> None:
         ingest.accepted_singles.clear()
@@ -102,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                                     "events": len(outbox)})
     sock.sendall(len(hello).to_bytes(4, "big") + hello)
     run_writer(conn, sock, decode_request, handlers, on_rollback=rebuild, tick=tick,
-               after_group=after_group)
+               after_group=after_group, tick_seconds=0.25)
     conn.close()
     return 0
 

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 import duckdb
 import msgspec
+import pyarrow as pa
 
 __all__ = ["Handler", "RemoteFailure", "Transaction", "WriterClient", "run_writer"]
 
@@ -71,8 +72,11 @@ class Transaction:
         for flusher in self._flushers.values():
             flusher(self)
         for table, rows in self._rows.items():
-            marks = ", ".join("?" * len(rows[0]))
-            self.conn.executemany(f"INSERT INTO {table} VALUES ({marks})", rows)
+            # One Arrow insert per table: executemany runs a statement per row.
+            columns = list(zip(*rows))
+            staged = pa.Table.from_arrays(  # noqa: F841 (read by DuckDB below)
+                [pa.array(column) for column in columns], names=[f"c{i}" for i in range(len(columns))])
+            self.conn.execute(f"INSERT INTO {table} SELECT * FROM staged")
 
 
 class Handler(Protocol):

@@ -1,0 +1,568 @@
+"""The gate book: leases, holds, usage, funding, carried remainders and idempotency records,
+kept in memory by the writer process and rebuilt from the operational file at start.
+
+Every authorize, commit and cancel is decided here, one at a time in queue order, against
+this state, and its rows are staged into the same group transaction. That makes decisions
+serializable per account without locks: concurrent authorizes can never hold more than is
+available, because the second one sees the first one's hold.
+
+Limits, in the contract's order: quota (quantity per window), budget (xusd per window),
+funding (prepaid accounts: grants in force + credit limit - committed - held). A hold is the
+estimate (quantity against quotas, its price at authorize time against budgets and funding);
+commit releases it and books the actual quantity and amount on the day of the commit. Windows
+are UTC calendar days and months.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import heapq
+import logging
+import secrets
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import date, datetime, timedelta, timezone
+from typing import Any
+
+import duckdb
+import msgspec
+
+from api.gate.ops import AuthorizeOp, CancelOp, CommitOp, GateOutcome, IdemKey, RecordOutcomeOp
+from pipelines.catalog import Budget, Catalog, Feature, Quota, Realm
+from pipelines.events import format_instant
+from pipelines.pricing import PriceRow, price_line, quote
+from warehouse.writer import Transaction
+
+__all__ = ["GateBook", "token_digest"]
+
+log = logging.getLogger("tollgate.gate")
+_encode = msgspec.json.encode
+_decode = msgspec.json.decode
+_sorted = msgspec.json.Encoder(order="sorted").encode
+IDEMPOTENCY_TTL = timedelta(hours=24)
+ENDED_LEASE_MEMORY = timedelta(days=7)
+LOW_HEADROOM = 0.20
+
+
+def token_digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _window_start(window: str, today: date) -> date:
+    return today if window == "day" else today.replace(day=1)
+
+
+@dataclass(slots=True)
+class Lease:
+    lease_id: str
+    token_sha: str
+    realm: str
+    principal_id: str
+    account: str
+    feature_code: str
+    family: str
+    held_qty: int
+    held_xusd: int
+    created_at: datetime
+    expires_at: datetime
+    state: str = "active"
+    ended_at: datetime | None = None
+    commit_body: bytes | None = None
+    commit_outcome: GateOutcome | None = None
+
+
+class Tally:
+    """Quantity and amount per (realm, scope, scope id) and (feature, UTC day)."""
+
+    def __init__(self) -> None:
+        self.cells: dict[tuple[str, str, str], dict[tuple[str, date], list[int]]] = defaultdict(dict)
+
+    def add(self, realm: str, account: str, principal: str, feature: str, day: date,
+            qty: int, xusd: int) -> None:
+        for scope, sid in (("account", account), ("principal", principal)):
+            cell = self.cells[(realm, scope, sid)].setdefault((feature, day), [0, 0])
+            cell[0] += qty
+            cell[1] += xusd
+
+    def window(self, realm: str, scope: str, sid: str, window: str, today: date,
+               features: Iterable[str] | None) -> tuple[int, int]:
+        start = _window_start(window, today)
+        wanted = None if features is None else set(features)
+        qty = xusd = 0
+        for (feature, day), (q, x) in self.cells.get((realm, scope, sid), {}).items():
+            if start <= day <= today and (wanted is None or feature in wanted):
+                qty += q
+                xusd += x
+        return qty, xusd
+
+    def forget_before(self, first_day: date) -> None:
+        for cells in self.cells.values():
+            for key in [k for k in cells if k[1] < first_day]:
+                del cells[key]
+
+
+class Holds:
+    """What active leases hold, per (realm, scope, scope id) and feature, plus funding."""
+
+    def __init__(self) -> None:
+        self.cells: dict[tuple[str, str, str], dict[str, list[int]]] = defaultdict(dict)
+        self.funding: dict[tuple[str, str], int] = defaultdict(int)
+
+    def change(self, lease: Lease, sign: int) -> None:
+        for scope, sid in (("account", lease.account), ("principal", lease.principal_id)):
+            cell = self.cells[(lease.realm, scope, sid)].setdefault(lease.feature_code, [0, 0])
+            cell[0] += sign * lease.held_qty
+            cell[1] += sign * lease.held_xusd
+        self.funding[(lease.realm, lease.account)] += sign * lease.held_xusd
+
+    def held(self, realm: str, scope: str, sid: str, features: Iterable[str] | None) -> tuple[int, int]:
+        cells = self.cells.get((realm, scope, sid), {})
+        wanted = cells.keys() if features is None else features
+        qty = xusd = 0
+        for feature in wanted:
+            cell = cells.get(feature)
+            if cell:
+                qty += cell[0]
+                xusd += cell[1]
+        return qty, xusd
+
+
+@dataclass(slots=True)
+class PriceIndex:
+    """Price rows of one realm by meter, sorted by effective_at, for the hot path."""
+
+    by_meter: dict[str, tuple[list[datetime], list[PriceRow]]] = field(default_factory=dict)
+
+    @staticmethod
+    def of(realm: Realm) -> PriceIndex:
+        rows: dict[str, list[tuple[datetime, PriceRow]]] = defaultdict(list)
+        for p in realm.prices:
+            rows[p.meter].append((p.effective_at, PriceRow(
+                price_id=p.price_id, meter_code=p.meter, unit_price_xusd=p.unit_price_xusd,
+                unit_quantity_minor=p.unit_quantity_minor, rounding=p.rounding,
+                effective_at=p.effective_at.isoformat())))
+        index = PriceIndex()
+        for meter, items in rows.items():
+            items.sort(key=lambda t: t[0])
+            index.by_meter[meter] = ([t[0] for t in items], [t[1] for t in items])
+        return index
+
+    def at(self, meter: str, moment: datetime) -> PriceRow | None:
+        """The row in force at `moment`: greatest effective_at <= moment (as select_price)."""
+        found = self.by_meter.get(meter)
+        if not found:
+            return None
+        i = bisect.bisect_right(found[0], moment)
+        return found[1][i - 1] if i else None
+
+
+def _fingerprint(row: PriceRow) -> str:
+    text = f"{row.price_id}|{row.unit_price_xusd}|{row.unit_quantity_minor}|{row.rounding}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _error(status: int, code: str, message: str, **extra: Any) -> GateOutcome:
+    return GateOutcome(status=status, code=code, message=message, **extra)
+
+
+class GateBook:
+    def __init__(self, catalog: Callable[[], Catalog], clock: Callable[[], datetime]) -> None:
+        self._catalog = catalog
+        self._clock = clock
+        self._price_index: dict[str, PriceIndex] = {}
+        self._price_fingerprint = ""
+
+    # ---- state --------------------------------------------------------------------------
+    def rebuild(self, conn: duckdb.DuckDBPyConnection) -> None:
+        """Load the state from the file: at start, and after a group failed to commit."""
+        now = self._clock()
+        self.leases: dict[str, Lease] = {}
+        self.expiry: list[tuple[datetime, str]] = []
+        self.tally = Tally()
+        self.holds = Holds()
+        self.committed: dict[tuple[str, str], int] = defaultdict(int)
+        self.grants: dict[tuple[str, str], list[tuple[datetime, int]]] = defaultdict(list)
+        self.grant_ids: set[tuple[str, str]] = set()
+        self.carry: dict[tuple[str, str, str, str], int] = {}
+        self.idempotency: dict[tuple[str, str, str, str], tuple[str, GateOutcome, datetime]] = {}
+        since = now - ENDED_LEASE_MEMORY
+        rows = conn.execute(
+            """
+            SELECT l.lease_id, l.token_sha256, l.realm, l.principal_id, l.billing_account_id,
+                   l.feature_code, coalesce(l.feature_family_code, ''), l.held_quantity_minor,
+                   l.held_amount_xusd, l.created_at, l.expires_at, t.state, t.happened_at,
+                   c.body_json, c.reply_json
+            FROM leases l
+            LEFT JOIN (SELECT lease_id, arg_max(state, happened_at) AS state, max(happened_at) AS happened_at
+                       FROM lease_transitions GROUP BY lease_id) t USING (lease_id)
+            LEFT JOIN commits c USING (lease_id)
+            WHERE t.state IS NULL OR t.happened_at >= ?
+            """, [since]).fetchall()
+        for (lease_id, sha, realm, principal, account, feature, family, qty, xusd, created, expires,
+             state, ended, body, reply) in rows:
+            lease = Lease(lease_id, sha, realm, principal, account, feature, family, qty, xusd,
+                          created, expires, state or "active", ended)
+            if body is not None:
+                lease.commit_body = body.encode()
+                lease.commit_outcome = msgspec.json.decode(reply.encode(), type=GateOutcome)
+            self.leases[sha] = lease
+            if lease.state == "active":
+                self.holds.change(lease, +1)
+                heapq.heappush(self.expiry, (expires, sha))
+        month_start = datetime(now.year, now.month, 1, tzinfo=timezone.utc)
+        for realm, account, principal, feature, day, qty, xusd in conn.execute(
+            """
+            SELECT realm, billing_account_id, principal_id, feature_code, CAST(committed_at AS DATE),
+                   sum(quantity_minor), sum(amount_xusd)
+            FROM commits WHERE committed_at >= ? GROUP BY ALL
+            """, [month_start]).fetchall():
+            self.tally.add(realm, account, principal, feature, day, int(qty), int(xusd))
+        for realm, account, total in conn.execute(
+                "SELECT realm, billing_account_id, sum(amount_xusd) FROM commits GROUP BY ALL").fetchall():
+            self.committed[(realm, account)] = int(total)
+        for realm, account, gid, amount, eff in conn.execute(
+                "SELECT realm, billing_account_id, grant_id, amount_xusd, effective_at FROM grants").fetchall():
+            self.grants[(realm, account)].append((eff, amount))
+            self.grant_ids.add((realm, gid))
+        for realm, account, meter, price_id, remainder in conn.execute(
+            """
+            SELECT realm, billing_account_id, meter_code, price_id, arg_max(remainder_after, seq)
+            FROM commit_lines WHERE price_id IS NOT NULL GROUP BY ALL
+            """).fetchall():
+            self.carry[(realm, account, meter, price_id)] = int(remainder)
+        for realm, principal, endpoint, key, sha, reply, stored_at in conn.execute(
+            """
+            SELECT realm, principal_id, endpoint, idem_key, body_sha256, reply, stored_at
+            FROM idempotency WHERE stored_at >= ?
+            """, [now - IDEMPOTENCY_TTL]).fetchall():
+            outcome = msgspec.msgpack.decode(reply, type=GateOutcome)
+            self.idempotency[(realm, principal, endpoint, key)] = (sha, outcome, stored_at)
+        row = conn.execute("SELECT coalesce(max(seq), 0) FROM commit_lines").fetchone()
+        self.line_seq = int(row[0]) if row else 0
+        row = conn.execute("SELECT coalesce(max(seq), 0) FROM commits").fetchone()
+        self.commit_seq = int(row[0]) if row else 0
+        self.sync_grants(conn)
+
+    def sync_grants(self, conn: duckdb.DuckDBPyConnection) -> None:
+        """Record the catalog's grants in the ledger, once per id (idempotent by id)."""
+        catalog = self._catalog()
+        new = []
+        now = self._clock()
+        for realm in catalog.realms.values():
+            for account in realm.accounts.values():
+                for grant in account.grants:
+                    if (realm.id, grant.id) in self.grant_ids:
+                        continue
+                    new.append((realm.id, account.id, grant.id, grant.amount_xusd, grant.effective_at, now))
+        if not new:
+            return
+        conn.execute("BEGIN")
+        try:
+            conn.executemany("INSERT INTO grants VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING", new)
+            conn.execute("COMMIT")
+        except duckdb.Error:
+            conn.execute("ROLLBACK")
+            raise
+        for realm_id, account_id, gid, amount, eff, _ in new:
+            self.grants[(realm_id, account_id)].append((eff, amount))
+            self.grant_ids.add((realm_id, gid))
+
+    def _prices(self, realm: Realm) -> PriceIndex:
+        catalog = self._catalog()
+        if catalog.fingerprint != self._price_fingerprint:
+            self._price_index = {r.id: PriceIndex.of(r) for r in catalog.realms.values()}
+            self._price_fingerprint = catalog.fingerprint
+        return self._price_index.get(realm.id) or PriceIndex()
+
+    def balance(self, realm: str, account: str, now: datetime) -> int:
+        granted = sum(amount for eff, amount in self.grants.get((realm, account), ()) if eff <= now)
+        return granted - self.committed.get((realm, account), 0)
+
+    # ---- idempotency ----------------------------------------------------------------------
+    def _with_idempotency(self, tx: Transaction, idem: IdemKey | None,
+                          decide: Callable[[], GateOutcome]) -> GateOutcome:
+        if idem is None:
+            return decide()
+        scope = (idem.realm, idem.principal_id, idem.endpoint, idem.key)
+        found = self.idempotency.get(scope)
+        if found is not None and tx.now - found[2] < IDEMPOTENCY_TTL:
+            sha, outcome, _ = found
+            if sha != idem.body_sha256:
+                return _error(409, "IDEMPOTENCY.CONFLICT",
+                              "this Idempotency-Key was used with a different body")
+            replay = msgspec.structs.replace(outcome, replayed=True)
+            return replay
+        outcome = decide()
+        if outcome.storable:
+            self.idempotency[scope] = (idem.body_sha256, outcome, tx.now)
+            tx.stage("idempotency", (idem.realm, idem.principal_id, idem.endpoint, idem.key,
+                                     idem.body_sha256, outcome.status,
+                                     msgspec.msgpack.encode(outcome), "{}", tx.now))
+        return outcome
+
+    def record_outcome(self, tx: Transaction, op: RecordOutcomeOp) -> Callable[[], GateOutcome]:
+        result = self._with_idempotency(tx, op.idem, lambda: op.outcome)
+        return lambda: result
+
+    # ---- authorize --------------------------------------------------------------------------
+    def authorize(self, tx: Transaction, op: AuthorizeOp) -> Callable[[], GateOutcome]:
+        result = self._with_idempotency(tx, op.idem, lambda: self._authorize(tx, op))
+        return lambda: result
+
+    def _authorize(self, tx: Transaction, op: AuthorizeOp) -> GateOutcome:
+        catalog = self._catalog()
+        realm = catalog.realms.get(op.realm)
+        feature = realm.features.get(op.feature_code) if realm else None
+        if realm is None or feature is None or not feature.active:
+            return _error(422, "RESOURCE.NOT_FOUND", f"unknown or inactive feature {op.feature_code!r}")
+        account = realm.accounts.get(op.billing_account_id)
+        if account is None:
+            return _error(422, "RESOURCE.NOT_FOUND", f"unknown billing account {op.billing_account_id!r}")
+        now = tx.now
+        today = now.date()
+        estimate = op.estimated_quantity_minor
+        row = self._prices(realm).at(feature.primary_meter, now)
+        cost = quote(row, estimate) if row is not None else 0
+        hints: list[dict[str, Any]] = []
+
+        quotas = self._quotas(realm, feature, account.id)
+        budgets = self._budgets(realm, feature, account.id)
+        for q in quotas:
+            sid = op.principal_id if q.scope == "principal" else account.id
+            used, _ = self.tally.window(realm.id, q.scope, sid, q.window, today, (feature.code,))
+            held, _ = self.holds.held(realm.id, q.scope, sid, (feature.code,))
+            remaining = q.limit_minor - used - held
+            if estimate > remaining:
+                return _error(402, "QUOTA.EXHAUSTED",
+                              f"quota {q.quota_id} ({q.window}) has {max(0, remaining)} left, "
+                              f"{estimate} asked",
+                              hints=[{"type": "quota.remaining", "max_quantity_minor": max(0, remaining)}])
+            after = remaining - estimate
+            if after < q.limit_minor * LOW_HEADROOM:
+                hints.append({"type": "quota.remaining", "max_quantity_minor": after})
+
+        for b in budgets:
+            sid = op.principal_id if b.scope == "principal" else account.id
+            _, spent = self.tally.window(realm.id, b.scope, sid, b.window, today, b.features)
+            _, held = self.holds.held(realm.id, b.scope, sid, b.features)
+            shortfall = spent + held + cost - b.limit_xusd
+            if shortfall > 0:
+                return _error(402, "BUDGET.EXHAUSTED", f"budget {b.id} ({b.window}) would be exceeded",
+                              hints=[{"type": "budget.shortfall", "budget_id": b.id,
+                                      "shortfall_xusd": shortfall}])
+            headroom = -shortfall
+            if headroom < b.limit_xusd * LOW_HEADROOM:
+                hints.append({"type": "budget.low_headroom", "budget_id": b.id, "headroom_xusd": headroom})
+
+        if account.funding == "prepaid":
+            available = (self.balance(realm.id, account.id, now) + account.credit_limit_xusd
+                         - self.holds.funding.get((realm.id, account.id), 0))
+            if cost > available:
+                return _error(402, "FUNDING.INSUFFICIENT", "the account's balance does not cover the estimate",
+                              hints=[{"type": "funding.xusd_shortfall", "shortfall_xusd": cost - available}])
+
+        token = "tgl_" + secrets.token_urlsafe(32)
+        sha = token_digest(token)
+        lease = Lease(
+            lease_id="lse_" + secrets.token_hex(12), token_sha=sha, realm=realm.id,
+            principal_id=op.principal_id, account=account.id, feature_code=feature.code,
+            family=feature.family or "", held_qty=estimate, held_xusd=cost, created_at=now,
+            expires_at=now + timedelta(seconds=realm.lease_ttl(feature)),
+        )
+        self.leases[sha] = lease
+        self.holds.change(lease, +1)
+        heapq.heappush(self.expiry, (lease.expires_at, sha))
+        tx.stage("leases", (lease.lease_id, sha, realm.id, op.principal_id, account.id, op.user_id,
+                            feature.code, feature.family, estimate, cost,
+                            _encode({"quotas": [q.quota_id for q in quotas],
+                                     "budgets": [b.id for b in budgets],
+                                     "funding": account.funding == "prepaid"}).decode(),
+                            now, lease.expires_at,
+                            _encode(op.labels).decode()))
+        data = {
+            "lease_token": token,
+            "lease": token,
+            "lease_id": lease.lease_id,
+            "feature_code": feature.code,
+            "feature_family_code": lease.family,
+            "window_start": format_instant(now),
+            "window_end": format_instant(lease.expires_at),
+            "expires_at": format_instant(lease.expires_at),
+            "held_quantity_minor": str(estimate),
+            "held_amount_xusd": str(cost),
+        }
+        return GateOutcome(status=200, data=data, hints=hints)
+
+    @staticmethod
+    def _quotas(realm: Realm, feature: Feature, account: str) -> list[Quota]:
+        return [q for q in realm.quotas
+                if q.feature == feature.code and (q.accounts is None or account in q.accounts)]
+
+    @staticmethod
+    def _budgets(realm: Realm, feature: Feature, account: str) -> list[Budget]:
+        return [b for b in realm.budgets
+                if (b.accounts is None or account in b.accounts)
+                and (b.features is None or feature.code in b.features)]
+
+    # ---- commit -------------------------------------------------------------------------------
+    def commit(self, tx: Transaction, op: CommitOp) -> Callable[[], GateOutcome]:
+        result = self._with_idempotency(tx, op.idem, lambda: self._commit(tx, op))
+        return lambda: result
+
+    def _lease_of(self, realm: str, principal: str, token: str) -> Lease | None:
+        lease = self.leases.get(token_digest(token))
+        if lease is None or lease.realm != realm or lease.principal_id != principal:
+            return None
+        return lease
+
+    def _commit(self, tx: Transaction, op: CommitOp) -> GateOutcome:
+        lease = self._lease_of(op.realm, op.principal_id, op.lease_token)
+        if lease is None:
+            return _error(422, "LEASE.NOT_FOUND", "no lease for this token and principal")
+        if lease.state == "committed":
+            if lease.commit_body == op.body_canonical and lease.commit_outcome is not None:
+                return lease.commit_outcome
+            return _error(409, "LEASE.ALREADY_COMMITTED", "this lease was committed with another body")
+        if lease.state == "cancelled":
+            return _error(409, "LEASE.CANCELLED", "this lease was cancelled")
+        if op.feature_code != lease.feature_code:
+            return _error(422, "LEASE.FEATURE_MISMATCH",
+                          f"the lease is for {lease.feature_code!r}, not {op.feature_code!r}")
+        catalog = self._catalog()
+        realm = catalog.realms.get(lease.realm)
+        feature = realm.features.get(lease.feature_code) if realm else None
+        if realm is None or feature is None:
+            return _error(422, "RESOURCE.NOT_FOUND", f"feature {lease.feature_code!r} is no longer in the catalog")
+        lines_in = op.meters if op.meters else None
+        if lines_in:
+            bad = [(i, m.meter_code) for i, m in enumerate(lines_in) if m.meter_code not in feature.meters]
+            if bad:
+                return _error(422, "FEATURE.METER_NOT_ALLOWED",
+                              f"meters not allowed for {feature.code}: {', '.join(m for _, m in bad)}",
+                              errors=[{"field": f"meters[{i}].meter_code", "code": "FEATURE.METER_NOT_ALLOWED",
+                                       "message": f"{m} is not a meter of {feature.code}"} for i, m in bad])
+            lines = [(m.meter_code, m.quantity_minor) for m in lines_in]
+        else:
+            lines = [(feature.primary_meter, op.quantity_minor)]
+
+        now = tx.now
+        hints: list[dict[str, Any]] = []
+        expired = lease.state == "expired" or now >= lease.expires_at
+        if expired:
+            hints.append({"type": "lease.expired", "expires_at": format_instant(lease.expires_at)})
+        prices = self._prices(realm)
+        commit_id = "cmt_" + secrets.token_hex(12)
+        total = 0
+        out_lines = []
+        unpriced = []
+        self.commit_seq += 1
+        for index, (meter, qty) in enumerate(lines):
+            row = prices.at(meter, now)
+            line_id = f"{commit_id}.{index}"
+            self.line_seq += 1
+            if row is None:
+                unpriced.append(meter)
+                amount, carried, remainder = 0, 0, 0
+                price_id = unit_price = unit_qty = rounding = fingerprint = None
+            else:
+                key = (realm.id, lease.account, meter, row.price_id)
+                carried = self.carry.get(key, 0)
+                priced = price_line(row, qty, carried)
+                self.carry[key] = remainder = priced.remainder_after
+                amount = priced.amount_xusd
+                price_id, unit_price, unit_qty, rounding = (
+                    row.price_id, row.unit_price_xusd, row.unit_quantity_minor, row.rounding)
+                fingerprint = _fingerprint(row)
+            total += amount
+            tx.stage("commit_lines", (self.line_seq, line_id, commit_id, lease.lease_id, realm.id,
+                                      lease.account, lease.principal_id, lease.feature_code, meter, qty,
+                                      price_id, unit_price, unit_qty, rounding, carried, remainder,
+                                      amount, fingerprint, now))
+            out_lines.append({
+                "line_id": line_id, "meter_code": meter, "quantity_minor": str(qty),
+                "unit_price_xusd": str(unit_price or 0), "unit_quantity_minor": str(unit_qty or 1),
+                "amount_xusd": str(amount), "pricing_fingerprint": fingerprint,
+            })
+        if unpriced:
+            hints.append({"type": "pricing.not_configured", "feature_code": feature.code, "meters": unpriced})
+
+        if lease.state == "active":
+            self.holds.change(lease, -1)
+        lease.state = "committed"
+        lease.ended_at = now
+        self.tally.add(realm.id, lease.account, lease.principal_id, lease.feature_code, now.date(),
+                       op.quantity_minor, total)
+        self.committed[(realm.id, lease.account)] += total
+        balance = self.balance(realm.id, lease.account, now)
+        data = {"commit_id": commit_id, "amount_xusd": str(total), "lines": out_lines,
+                "balance_xusd": str(balance), "lease_id": lease.lease_id}
+        outcome = GateOutcome(status=200, data=data, hints=hints)
+        lease.commit_body = op.body_canonical
+        lease.commit_outcome = outcome
+        tx.stage("commits", (self.commit_seq, commit_id, lease.lease_id, realm.id, lease.account,
+                             lease.principal_id, lease.feature_code, op.quantity_minor, total, now, expired,
+                             op.body_canonical.decode(), _encode(outcome).decode(),
+                             _encode(op.labels).decode()))
+        tx.stage("lease_transitions", (lease.lease_id, "committed", now, None))
+        return outcome
+
+    # ---- cancel -------------------------------------------------------------------------------
+    def cancel(self, tx: Transaction, op: CancelOp) -> Callable[[], GateOutcome]:
+        result = self._with_idempotency(tx, op.idem, lambda: self._cancel(tx, op))
+        return lambda: result
+
+    def _cancel(self, tx: Transaction, op: CancelOp) -> GateOutcome:
+        lease = self._lease_of(op.realm, op.principal_id, op.lease_token)
+        if lease is None:
+            return _error(422, "LEASE.NOT_FOUND", "no lease for this token and principal")
+        if lease.state != "active":
+            return GateOutcome(status=200, data={"cancelled": False, "state": lease.state, "released_cap": "0",
+                                                 "lease_id": lease.lease_id})
+        self.holds.change(lease, -1)
+        lease.state = "cancelled"
+        lease.ended_at = tx.now
+        tx.stage("lease_transitions", (lease.lease_id, "cancelled", tx.now, op.reason))
+        return GateOutcome(status=200, data={"cancelled": True, "state": "cancelled",
+                                             "released_cap": str(lease.held_qty), "lease_id": lease.lease_id})
+
+    # ---- time -----------------------------------------------------------------------------------
+    def expire_due(self, conn: duckdb.DuckDBPyConnection) -> int:
+        """Expire every active lease past its time, releasing its holds (no call needed)."""
+        now = self._clock()
+        due: list[Lease] = []
+        while self.expiry and self.expiry[0][0] <= now:
+            _, sha = heapq.heappop(self.expiry)
+            lease = self.leases.get(sha)
+            if lease is not None and lease.state == "active":
+                due.append(lease)
+        if not due:
+            return 0
+        conn.execute("BEGIN")
+        try:
+            conn.executemany("INSERT INTO lease_transitions VALUES (?, 'expired', ?, NULL)",
+                             [(lease.lease_id, lease.expires_at) for lease in due])
+            conn.execute("COMMIT")
+        except duckdb.Error:
+            conn.execute("ROLLBACK")
+            for lease in due:
+                heapq.heappush(self.expiry, (lease.expires_at, lease.token_sha))
+            raise
+        for lease in due:
+            self.holds.change(lease, -1)
+            lease.state = "expired"
+            lease.ended_at = lease.expires_at
+        return len(due)
+
+    def forget_old(self) -> None:
+        """Bound memory: ended leases after a week, idempotency records after 24 h, usage
+        cells of months before the last."""
+        now = self._clock()
+        for sha in [s for s, lease in self.leases.items()
+                    if lease.ended_at is not None and now - lease.ended_at > ENDED_LEASE_MEMORY]:
+            del self.leases[sha]
+        for scope in [k for k, v in self.idempotency.items() if now - v[2] >= IDEMPOTENCY_TTL]:
+            del self.idempotency[scope]
+        first = now.date().replace(day=1)
+        self.tally.forget_before((first - timedelta(days=1)).replace(day=1))
