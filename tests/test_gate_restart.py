@@ -1,0 +1,120 @@
+"""Gate state survives restarts and SIGKILL: leases, holds, idempotency records, commits."""
+
+from __future__ import annotations
+
+import signal
+import uuid
+from datetime import datetime, timedelta, timezone
+
+import duckdb
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from api.gate.book import GateBook
+from api.gate.ops import AuthorizeOp, CommitOp, MeterLine
+from pipelines.catalog import load_catalog
+from tests.conftest import FIXTURES, Service
+from warehouse.operational import open_operational
+from warehouse.writer import Transaction
+
+
+def _authorize(svc: Service, principal: str, estimate: str = "10", key: str | None = None):
+    return svc.post("/mgt/v1/gate/authorize", {"feature_code": "gate.unit", "estimated_quantity_minor": estimate},
+                    principal=principal, idempotency_key=key)
+
+
+def test_restart_keeps_leases_holds_and_idempotency_records(fresh_service: Service) -> None:
+    svc = fresh_service
+    svc.start()
+    key = f"idem-{uuid.uuid4()}"
+    held = [_authorize(svc, "funds-p", key=key if i == 0 else None) for i in range(10)]
+    assert all(r.status_code == 200 for r in held)
+    assert _authorize(svc, "funds-p").json()["code"] == "FUNDING.INSUFFICIENT"
+    svc.stop()
+    svc.start()
+    assert _authorize(svc, "funds-p").json()["code"] == "FUNDING.INSUFFICIENT"  # holds came back
+    replay = _authorize(svc, "funds-p", key=key)
+    assert replay.headers.get("idempotent-replayed") == "true"
+    assert replay.json()["data"]["lease_token"] == held[0].json()["data"]["lease_token"]
+    token = held[1].json()["data"]["lease_token"]
+    cancel = svc.post("/mgt/v1/gate/cancel", {"lease_token": token}, principal="funds-p")
+    assert cancel.json()["data"]["released_cap"] == "10"
+    assert _authorize(svc, "funds-p").status_code == 200
+
+
+def test_a_commit_acknowledged_before_kill_9_is_there_once_after_restart(fresh_service: Service) -> None:
+    svc = fresh_service
+    svc.start()
+    token = _authorize(svc, "funds-p", estimate="3").json()["data"]["lease_token"]
+    body = {"lease_token": token, "feature_code": "gate.unit", "quantity_minor": "3"}
+    first = svc.post("/mgt/v1/gate/commits", body, principal="funds-p")
+    assert first.status_code == 200 and first.json()["data"]["balance_xusd"] == "9700"
+    svc.proc.send_signal(signal.SIGKILL)
+    svc.proc.wait()
+    svc.proc = None
+    svc.start()
+    again = svc.post("/mgt/v1/gate/commits", body, principal="funds-p")
+    assert again.status_code == 200
+    assert again.json()["data"]["commit_id"] == first.json()["data"]["commit_id"]
+    token2 = _authorize(svc, "funds-p", estimate="1").json()["data"]["lease_token"]
+    after = svc.post("/mgt/v1/gate/commits", {"lease_token": token2, "feature_code": "gate.unit",
+                                              "quantity_minor": "1"}, principal="funds-p")
+    assert after.json()["data"]["balance_xusd"] == "9600"  # charged once: 10000 - 300 - 100
+    svc.stop()
+    conn = duckdb.connect(str(svc.data_dir / "operational.duckdb"), read_only=True)
+    assert conn.execute("SELECT count(*), sum(amount_xusd) FROM commits").fetchone() == (2, 400)
+
+
+NOW = datetime(2026, 11, 22, 12, 0, tzinfo=timezone.utc)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(["gate.floor", "gate.nearest", "gate.ceil"]),
+       st.lists(st.integers(0, 5000), min_size=1, max_size=12))
+def test_split_commits_are_charged_exactly_one_commit_of_the_total(meter: str, parts: list[int]) -> None:
+    catalog = load_catalog((FIXTURES / "catalog.toml").read_text())
+    for total_run in (parts, [sum(parts)]):
+        conn = open_operational_memory()
+        book = GateBook(lambda: catalog, lambda: NOW)
+        book.rebuild(conn)
+        charged = 0
+        for qty in total_run:
+            tx = Transaction(conn, NOW)
+            conn.execute("BEGIN")
+            auth = book.authorize(tx, AuthorizeOp("acme", "gate-p", "acct_gate", None, "gate.rounding", qty, {}, None))()
+            token = auth.data["lease_token"]
+            done = book.commit(tx, CommitOp("acme", "gate-p", "acct_gate", token, "gate.rounding", qty,
+                                            [MeterLine(meter, qty)], {}, b"{}", None))()
+            tx.flush()
+            conn.execute("COMMIT")
+            charged += int(done.data["amount_xusd"])
+        if total_run is parts:
+            split_total = charged
+        else:
+            assert split_total == charged
+
+
+def open_operational_memory() -> duckdb.DuckDBPyConnection:
+    import tempfile
+    from pathlib import Path
+    return open_operational(Path(tempfile.mkdtemp()) / "op.duckdb")
+
+
+def test_expired_leases_release_their_holds_in_the_book() -> None:
+    catalog = load_catalog((FIXTURES / "catalog.toml").read_text())
+    clock = [NOW]
+    conn = open_operational_memory()
+    book = GateBook(lambda: catalog, lambda: clock[0])
+    book.rebuild(conn)
+    tx = Transaction(conn, NOW)
+    conn.execute("BEGIN")
+    ok = book.authorize(tx, AuthorizeOp("acme", "expiry-p", "acct_gate_expiry", None, "gate.short", 10, {}, None))()
+    tx.flush()
+    conn.execute("COMMIT")
+    assert ok.status == 200
+    assert book.holds.funding[("acme", "acct_gate_expiry")] == 1000
+    clock[0] = NOW + timedelta(seconds=2)
+    assert book.expire_due(conn) == 1
+    assert book.holds.funding[("acme", "acct_gate_expiry")] == 0
+    book.rebuild(conn)  # the expiry is in the file too
+    assert book.holds.funding.get(("acme", "acct_gate_expiry"), 0) == 0
