@@ -192,13 +192,15 @@ class GateBook:
             """
             SELECT l.lease_id, l.token_sha256, l.realm, l.principal_id, l.billing_account_id,
                    l.feature_code, coalesce(l.feature_family_code, ''), l.held_quantity_minor,
-                   l.held_amount_xusd, l.created_at, l.expires_at, t.state, t.happened_at,
-                   c.body_json, c.reply_json
+                   l.held_amount_xusd, l.created_at, l.expires_at,
+                   CASE WHEN c.lease_id IS NOT NULL THEN 'committed' ELSE t.state END,
+                   coalesce(c.committed_at, t.happened_at), c.body_json, c.reply_json
             FROM leases l
             LEFT JOIN (SELECT lease_id, arg_max(state, happened_at) AS state, max(happened_at) AS happened_at
                        FROM lease_transitions GROUP BY lease_id) t USING (lease_id)
             LEFT JOIN commits c USING (lease_id)
-            WHERE t.state IS NULL OR t.happened_at >= ?
+            WHERE (c.lease_id IS NULL AND t.state IS NULL)
+               OR coalesce(c.committed_at, t.happened_at) >= ?
             """, [since]).fetchall()
         for (lease_id, sha, realm, principal, account, feature, family, qty, xusd, created, expires,
              state, ended, body, reply) in rows:
@@ -505,7 +507,6 @@ class GateBook:
                              lease.principal_id, lease.feature_code, op.quantity_minor, total, now, expired,
                              op.body_canonical.decode(), _encode(outcome).decode(),
                              _encode(op.labels).decode()))
-        tx.stage("lease_transitions", (lease.lease_id, "committed", now, None))
         return outcome
 
     # ---- cancel -------------------------------------------------------------------------------
