@@ -118,3 +118,23 @@ def test_expired_leases_release_their_holds_in_the_book() -> None:
     assert book.holds.funding[("acme", "acct_gate_expiry")] == 0
     book.rebuild(conn)  # the expiry is in the file too
     assert book.holds.funding.get(("acme", "acct_gate_expiry"), 0) == 0
+
+
+def test_reapplying_a_catalog_never_grants_twice(fresh_service: Service) -> None:
+    import time
+
+    from tests.conftest import tollgate
+
+    svc = fresh_service
+    svc.start()
+    tollgate("catalog", "apply", str(FIXTURES / "catalog.toml"), data_dir=svc.data_dir)
+    time.sleep(2.5)  # past the writer's catalog refresh
+    svc.stop()
+    svc.start()
+    token = _authorize(svc, "funds-p", estimate="1").json()["data"]["lease_token"]
+    done = svc.post("/mgt/v1/gate/commits", {"lease_token": token, "feature_code": "gate.unit",
+                                             "quantity_minor": "1"}, principal="funds-p")
+    assert done.json()["data"]["balance_xusd"] == "9900"  # one grant of 10,000 less 100
+    svc.stop()
+    conn = duckdb.connect(str(svc.data_dir / "operational.duckdb"), read_only=True)
+    assert conn.execute("SELECT count(*) FROM grants WHERE grant_id = 'gate-funds'").fetchone() == (1,)
