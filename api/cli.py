@@ -15,6 +15,7 @@ import urllib.request
 from importlib import resources
 from pathlib import Path
 
+from api import sql_command
 from api.config import Settings
 from pipelines.catalog import CatalogInvalid, load_catalog
 from warehouse.catalog_store import CatalogStore
@@ -45,7 +46,14 @@ def apply_catalog(settings: Settings, text: str) -> tuple[bool, str]:
             return False, "\n".join(f"  {f}" for f in faults)
     store.apply(text, catalog.fingerprint)
     realms = ", ".join(sorted(catalog.realms)) or "(none)"
-    return True, f"catalog {catalog.fingerprint} applied (realms: {realms})"
+    message = f"catalog {catalog.fingerprint} applied (realms: {realms})"
+    from warehouse.catalog_history import record_catalog  # DuckDB loads only when applying
+
+    try:
+        record_catalog(settings.data_dir, catalog)
+    except Exception as exc:  # noqa: BLE001 (the catalog is in force; only its lake history is missing)
+        return True, f"{message}\n  warning: not recorded in the lake ({exc}); apply it again to record it"
+    return True, message
 
 
 def _grant_changes(previous_text: str, catalog: object) -> list[str]:
@@ -221,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     call.add_argument("--key-id")
     call.add_argument("--idempotency-key")
     call.set_defaults(func=cmd_call)
+    sql_command.register(sub)
     return parser
 
 

@@ -15,6 +15,7 @@ import logging
 import signal
 import socket
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from api.gate.book import GateBook
 from api.gate.ops import AuthorizeOp, CancelOp, CommitOp, RecordOutcomeOp
 from pipelines.catalog import Catalog, CatalogInvalid, load_catalog
 from warehouse.catalog_store import CatalogStore
+from warehouse.export import run_exporter_thread
 from warehouse.operational import open_operational, schema_version
 from warehouse.outbox import EventOutbox
 from warehouse.writer import run_writer
@@ -130,8 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     hello = msgspec.msgpack.encode({"ready": True, "schema_version": schema_version(conn),
                                     "events": len(outbox)})
     sock.sendall(len(hello).to_bytes(4, "big") + hello)
+    # The lake export runs beside the writer loop on a cursor of its own, so lake commits
+    # never hold up a group.
+    stop = threading.Event()
+    exporter = run_exporter_thread(conn, data_dir, stop)
     run_writer(conn, sock, decode_request, handlers, on_rollback=rebuild, tick=tick,
                after_group=after_group, tick_seconds=0.25)
+    stop.set()
+    exporter.join(timeout=5)
     conn.close()
     return 0
 

@@ -1,0 +1,263 @@
+"""`tollgate sql`: the lake in DuckDB, attached read-only as `lake`, for analysts.
+
+    tollgate sql                                 an interactive session (`USE lake` is set)
+    tollgate sql "SELECT ..." [--format F]       one query; F is table (default), csv or json
+
+The interactive session is the `duckdb` command-line shell when one of the same DuckDB
+version is on PATH (the lake's extensions are built for that version), and otherwise a small
+read-eval-print loop over stdin. Results: `table` aligns columns (cells cut at 80
+characters), `csv` is RFC 4180 with a header row, `json` is an array of objects in which
+integers stay integers (amounts are xusd integers), timestamps are ISO 8601 strings and JSON
+columns are nested values. The attach is read-only, so a write statement fails (exit code 1),
+as does any bad query.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import csv
+import datetime as dt
+import math
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Sequence
+from decimal import Decimal
+from pathlib import Path
+from typing import IO, Any
+
+import msgspec
+
+from api.config import Settings
+
+__all__ = ["cmd_sql", "register", "write_result"]
+
+_CELL_WIDTH = 80
+# Decimals keep every digit as a JSON number: no float in between.
+_json = msgspec.json.Encoder(decimal_format="number", enc_hook=str)
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add the `sql` subcommand to the `tollgate` parser."""
+    p = sub.add_parser("sql", help="query the lake (read-only) in DuckDB",
+                       description="Query the lake, attached read-only as `lake`, in DuckDB.")
+    p.add_argument("query", nargs="?", help="a query to run; without it, an interactive session")
+    p.add_argument("--format", choices=("table", "csv", "json"), default="table",
+                   help="how to print results (default: table)")
+    p.add_argument("--data-dir", help="data folder (TOLLGATE_DATA_DIR; default ./var)")
+    p.set_defaults(func=cmd_sql)
+
+
+def cmd_sql(args: argparse.Namespace) -> int:
+    data_dir = Settings.from_env(args.data_dir).data_dir
+    shell = _duckdb_shell() if args.query is None else None
+    if shell is not None:
+        return _run_shell(shell, data_dir)
+    import duckdb
+
+    try:
+        conn = _open_lake(data_dir)
+    except (duckdb.Error, FileNotFoundError) as exc:
+        print(f"tollgate sql: cannot open the lake: {exc}", file=sys.stderr)
+        return 1
+    try:
+        if args.query is None:
+            return _repl(conn, args.format)
+        return 0 if _run(conn, args.query, args.format, sys.stdout) else 1
+    finally:
+        conn.close()
+
+
+def _open_lake(data_dir: Path) -> Any:
+    import duckdb
+
+    from warehouse.lake import attach_lake
+
+    conn = duckdb.connect()
+    attach_lake(conn, data_dir, read_only=True)
+    conn.execute("USE lake")
+    return conn
+
+
+def _run(conn: Any, query: str, fmt: str, out: IO[str]) -> bool:
+    """Run one query and print its result; False (with the error on stderr) when it fails."""
+    import duckdb
+
+    from warehouse.lake import with_lake_retry
+
+    def step() -> tuple[Any, list[Any]]:
+        cursor = conn.execute(query)
+        return cursor.description, (cursor.fetchall() if cursor.description else [])
+
+    try:
+        # Nothing here writes, so a query that met the service's commit (`database is
+        # locked` on the lake's SQLite catalog) is simply run again.
+        description, rows = with_lake_retry(step)
+    except duckdb.Error as exc:
+        print(f"tollgate sql: {exc}", file=sys.stderr)
+        return False
+    if description:
+        write_result([d[0] for d in description], [str(d[1]) for d in description], rows, fmt, out)
+    return True
+
+
+def write_result(columns: Sequence[str], types: Sequence[str], rows: Sequence[Sequence[Any]],
+                 fmt: str, out: IO[str]) -> None:
+    """Print a result as an aligned table, RFC 4180 CSV or a JSON array of objects."""
+    if fmt == "json":
+        json_columns = {i for i, t in enumerate(types) if t == "JSON"}
+        out.write("[")
+        for n, row in enumerate(rows):
+            record = {name: _json_value(v, i in json_columns) for i, (name, v) in enumerate(zip(columns, row))}
+            out.write(("\n" if n == 0 else ",\n") + _json.encode(record).decode())
+        out.write("\n]\n" if rows else "]\n")
+    elif fmt == "csv":
+        writer = csv.writer(out, lineterminator="\r\n")
+        writer.writerow(columns)
+        writer.writerows([["" if v is None else _text(v) for v in row] for row in rows])
+    else:
+        _write_table(columns, rows, out)
+
+
+def _write_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], out: IO[str]) -> None:
+    cells = [[_cut(_text(v)) for v in row] for row in rows]
+    numeric = [_numeric([row[i] for row in rows if row[i] is not None]) for i in range(len(columns))]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+
+    def line(values: Sequence[str]) -> str:
+        return " | ".join(v.rjust(w) if num else v.ljust(w)
+                          for v, w, num in zip(values, widths, numeric)).rstrip()
+
+    out.write(line(list(columns)) + "\n")
+    out.write("-+-".join("-" * w for w in widths) + "\n")
+    for row in cells:
+        out.write(line(row) + "\n")
+    out.write(f"({len(rows)} row{'' if len(rows) == 1 else 's'})\n")
+
+
+def _numeric(values: list[Any]) -> bool:
+    """Right-align a column that holds numbers and nothing else."""
+    return bool(values) and all(isinstance(v, (int, float, Decimal)) and not isinstance(v, bool)
+                                for v in values)
+
+
+def _cut(text: str) -> str:
+    text = text.replace("\n", " ")
+    return text if len(text) <= _CELL_WIDTH else text[:_CELL_WIDTH - 1] + "…"
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return "NULL"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (dt.datetime, dt.date, dt.time)):
+        return value.isoformat()
+    if isinstance(value, (list, tuple, dict)):
+        return _json.encode(_json_value(value, False)).decode()
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return base64.b64encode(bytes(value)).decode()
+    return str(value)
+
+
+def _json_value(value: Any, is_json: bool) -> Any:
+    """A value as JSON: ints and decimals stay numbers, times become ISO 8601 strings."""
+    if value is None or isinstance(value, (bool, int, str, Decimal)):
+        if is_json and isinstance(value, str):
+            try:
+                return msgspec.json.decode(value)
+            except msgspec.DecodeError:
+                return value
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, (dt.datetime, dt.date, dt.time)):
+        return value.isoformat()
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return base64.b64encode(bytes(value)).decode()
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v, False) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _json_value(v, False) for k, v in value.items()}
+    return str(value)
+
+
+# ---- interactive -----------------------------------------------------------------------
+
+def _repl(conn: Any, fmt: str) -> int:
+    """Statements end with `;`; `.quit` or end of input leaves."""
+    interactive = sys.stdin.isatty()
+    if interactive:
+        try:
+            import readline  # noqa: F401 (line editing and history for input())
+        except ImportError:
+            pass
+        print("tollgate sql: the lake is attached read-only as `lake` (USE lake). "
+              "End statements with ';', leave with .quit", file=sys.stderr)
+    buffer: list[str] = []
+    while True:
+        try:
+            line = input(("lake> " if not buffer else "  ...> ") if interactive else "")
+        except EOFError:
+            break
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            buffer.clear()
+            continue
+        if not buffer and line.strip() in (".quit", ".exit", "\\q"):
+            break
+        buffer.append(line)
+        statement = "\n".join(buffer).strip()
+        if statement.endswith(";"):
+            buffer.clear()
+            if statement.strip("; \n"):
+                _run(conn, statement, fmt, sys.stdout)
+                sys.stdout.flush()
+    rest = "\n".join(buffer).strip()
+    if rest:
+        _run(conn, rest, fmt, sys.stdout)
+    return 0
+
+
+def _duckdb_shell() -> str | None:
+    """The `duckdb` shell on PATH, if it is the version the lake's extensions are built for."""
+    import duckdb
+
+    shell = shutil.which("duckdb")
+    if shell is None:
+        return None
+    try:
+        version = subprocess.run([shell, "-version"], capture_output=True, text=True, timeout=10,
+                                 check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if not version.startswith(f"v{duckdb.__version__}"):
+        print(f"tollgate sql: {shell} is not DuckDB {duckdb.__version__}; using the built-in loop",
+              file=sys.stderr)
+        return None
+    return shell
+
+
+def _run_shell(shell: str, data_dir: Path) -> int:
+    import duckdb
+    import duckdb_extension_ducklake
+    import duckdb_extension_sqlite
+
+    from warehouse.lake import lake_paths
+
+    catalog, _ = lake_paths(data_dir)
+    if not catalog.exists():
+        print(f"tollgate sql: no lake at {catalog.parent}", file=sys.stderr)
+        return 1
+    steps = []
+    for module, name in ((duckdb_extension_ducklake, "ducklake"), (duckdb_extension_sqlite, "sqlite")):
+        wheel = Path(module.__file__).parent / "extensions" / f"v{duckdb.__version__}" / f"{name}.duckdb_extension"
+        steps += [f"INSTALL '{wheel}'", f"LOAD {name}"]
+    steps += ["SET TimeZone = 'UTC'",
+              f"ATTACH 'ducklake:sqlite:{catalog}' AS lake (READ_ONLY)",
+              "USE lake"]
+    return subprocess.call([shell, "-cmd", "; ".join(steps) + ";"])

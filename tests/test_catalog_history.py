@@ -1,0 +1,123 @@
+"""`tollgate catalog apply` records each applied catalog in the lake, once per fingerprint."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pytest
+
+from pipelines.catalog import load_catalog
+from tests.conftest import FIXTURES, tollgate
+from warehouse.lake import connect_lake
+
+JAN = datetime(2026, 1, 1, tzinfo=timezone.utc)
+TABLES = ("catalog_versions", "catalog_prices", "catalog_policy_versions", "catalog_features")
+
+
+class Lake:
+    """A read-only view of the lake, opened on first use (it sees each new commit)."""
+
+    def __init__(self) -> None:
+        self.conn: duckdb.DuckDBPyConnection | None = None
+
+    def __call__(self, data_dir: Path, sql: str) -> list[tuple[Any, ...]]:
+        if self.conn is None:
+            self.conn = connect_lake(data_dir, read_only=True)
+        return self.conn.execute(sql).fetchall()
+
+
+@pytest.fixture()
+def lake() -> Iterator[Lake]:
+    reader = Lake()
+    yield reader
+    if reader.conn is not None:
+        reader.conn.close()
+
+
+def counts(lake: Lake, data_dir: Path) -> dict[str, int]:
+    return {t: lake(data_dir, f"SELECT count(*) FROM lake.{t}")[0][0] for t in TABLES}
+
+
+def micros(moment: datetime) -> int:
+    return int(moment.timestamp()) * 1_000_000 + moment.microsecond
+
+
+def fingerprint_of(out: str) -> str:
+    return out.split()[1]
+
+
+def test_an_applied_catalog_appears_in_the_lake_and_reapplying_it_adds_nothing(tmp_path: Path, lake: Lake) -> None:
+    text = (FIXTURES / "catalog.toml").read_text()
+    out = tollgate("catalog", "apply", str(FIXTURES / "catalog.toml"), data_dir=tmp_path).stdout
+    fp = fingerprint_of(out)
+    assert "warning" not in out
+
+    catalog = load_catalog(text)
+    assert catalog.fingerprint == fp
+    versions = lake(tmp_path, "SELECT fingerprint, source, applied_at FROM lake.catalog_versions")
+    assert [(v[0], v[1]) for v in versions] == [(fp, text)]
+    assert abs((datetime.now(timezone.utc) - versions[0][2]).total_seconds()) < 60
+
+    realms = catalog.realms.items()
+    assert set(lake(tmp_path, "SELECT realm, meter_code, price_id, unit_price_xusd, unit_quantity_minor, "
+                    "rounding, epoch_us(effective_at) FROM lake.catalog_prices")) == {
+        (r, p.meter, p.price_id, p.unit_price_xusd, p.unit_quantity_minor, p.rounding, micros(p.effective_at))
+        for r, realm in realms for p in realm.prices}
+    assert ("acme", "api.calls", "api.calls@2026-01-01T00:00:00Z", 2000, 1, "floor", micros(JAN)) in set(
+        lake(tmp_path, "SELECT realm, meter_code, price_id, unit_price_xusd, unit_quantity_minor, rounding, "
+             "epoch_us(effective_at) FROM lake.catalog_prices"))
+    assert set(lake(tmp_path, "SELECT realm, policy_id, version, engine, epoch_us(effective_at), dsl_json "
+                    "FROM lake.catalog_policy_versions")) == {
+        (r, pid, v.version, v.document["engine"], micros(v.effective_at), v.dsl_json)
+        for r, realm in realms for pid, pol in realm.policies.items() for v in pol.versions}
+    assert ("acme", "llm-completions", "2026-01", "single") in {
+        row[:4] for row in lake(tmp_path, "SELECT realm, policy_id, version, engine FROM lake.catalog_policy_versions")}
+    features = lake(tmp_path, "SELECT realm, feature_code, family, primary_meter, meters FROM "
+                    "lake.catalog_features ORDER BY realm, feature_code")
+    assert features == sorted((r, code, f.family, f.primary_meter, list(f.meters))
+                              for r, realm in realms for code, f in realm.features.items())
+    assert ("acme", "llm.chat", "llm", "llm.input_tokens", ["llm.input_tokens", "llm.output_tokens"]) in features
+    assert all(r == (fp,) for t in TABLES for r in lake(tmp_path, f"SELECT DISTINCT fingerprint FROM lake.{t}"))
+
+    before = counts(lake, tmp_path)
+    again = tollgate("catalog", "apply", str(FIXTURES / "catalog.toml"), data_dir=tmp_path).stdout
+    assert fingerprint_of(again) == fp
+    assert counts(lake, tmp_path) == before
+
+
+def test_each_new_fingerprint_appends_one_set_of_rows(tmp_path: Path, lake: Lake) -> None:
+    first = FIXTURES / "catalog.toml"
+    second = tmp_path / "second.toml"
+    second.write_text(first.read_text() + """
+[[realms.acme.prices]]
+meter = "api.calls"
+unit_price_xusd = "2500"
+unit_quantity_minor = "1"
+rounding = "ceil"
+effective_at = "2026-12-01T00:00:00Z"
+""")
+    fp1 = fingerprint_of(tollgate("catalog", "apply", str(first), data_dir=tmp_path).stdout)
+    fp2 = fingerprint_of(tollgate("catalog", "apply", str(second), data_dir=tmp_path).stdout)
+    tollgate("catalog", "apply", str(first), data_dir=tmp_path)  # back to the first: no new rows
+    assert fp1 != fp2
+    prices = sum(len(r.prices) for r in load_catalog(first.read_text()).realms.values())
+    assert lake(tmp_path, "SELECT fingerprint, count(*) FROM lake.catalog_prices GROUP BY ALL ORDER BY 2") == [
+        (fp1, prices), (fp2, prices + 1)]
+    assert lake(tmp_path, "SELECT count(*), count(DISTINCT fingerprint) FROM lake.catalog_versions") == [(2, 2)]
+    # The price in force for api.calls on 2026-12-15 under the second catalog:
+    assert lake(tmp_path, f"""
+        SELECT unit_price_xusd FROM lake.catalog_prices
+        WHERE fingerprint = '{fp2}' AND meter_code = 'api.calls' AND effective_at <= '2026-12-15'
+        ORDER BY effective_at DESC LIMIT 1""") == [(2500,)]
+
+
+def test_an_invalid_catalog_records_nothing(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[realms.acme.features."x"]\nprimary_meter = "nope"\n')
+    result = tollgate("catalog", "apply", str(bad), data_dir=tmp_path, check=False)
+    assert result.returncode == 1
+    assert not (tmp_path / "lake" / "catalog.sqlite").exists()

@@ -1,0 +1,141 @@
+"""The applied catalog's history in the lake: one set of rows per catalog fingerprint.
+
+`tollgate catalog apply` records each catalog it applies into `lake.catalog_versions`,
+`catalog_prices`, `catalog_policy_versions` and `catalog_features`, so analysts can see which
+prices and policy versions were in force when, next to the ratings made under them. A
+fingerprint already recorded appends nothing (re-applying a catalog changes no history).
+
+The catalog comes in duck-typed (the shapes of `pipelines.catalog`, described by the
+protocols below): storage does not import the domain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Protocol
+
+import duckdb
+
+from warehouse.lake import connect_lake, with_lake_retry
+
+__all__ = ["CatalogRows", "catalog_rows", "record_catalog"]
+
+
+class _Price(Protocol):
+    @property
+    def price_id(self) -> str: ...
+    @property
+    def meter(self) -> str: ...
+    @property
+    def unit_price_xusd(self) -> int: ...
+    @property
+    def unit_quantity_minor(self) -> int: ...
+    @property
+    def rounding(self) -> str: ...
+    @property
+    def effective_at(self) -> datetime: ...
+
+
+class _PolicyVersion(Protocol):
+    @property
+    def version(self) -> str: ...
+    @property
+    def effective_at(self) -> datetime: ...
+    @property
+    def dsl_json(self) -> str: ...
+    @property
+    def document(self) -> Mapping[str, Any]: ...
+
+
+class _Policy(Protocol):
+    @property
+    def id(self) -> str: ...
+    @property
+    def versions(self) -> Iterable[_PolicyVersion]: ...
+
+
+class _Feature(Protocol):
+    @property
+    def code(self) -> str: ...
+    @property
+    def family(self) -> str | None: ...
+    @property
+    def primary_meter(self) -> str: ...
+    @property
+    def meters(self) -> Iterable[str]: ...
+
+
+class _Realm(Protocol):
+    @property
+    def prices(self) -> Iterable[_Price]: ...
+    @property
+    def policies(self) -> Mapping[str, _Policy]: ...
+    @property
+    def features(self) -> Mapping[str, _Feature]: ...
+
+
+class _Catalog(Protocol):
+    @property
+    def fingerprint(self) -> str: ...
+    @property
+    def source(self) -> str: ...
+    @property
+    def realms(self) -> Mapping[str, _Realm]: ...
+
+
+CatalogRows = dict[str, list[tuple[Any, ...]]]
+
+
+def catalog_rows(catalog: _Catalog, applied_at: datetime) -> CatalogRows:
+    """The lake rows of one catalog, by table. `source` keeps the applied TOML document."""
+    fp = catalog.fingerprint
+    rows: CatalogRows = {"catalog_versions": [(fp, applied_at, catalog.source)],
+                         "catalog_prices": [], "catalog_policy_versions": [], "catalog_features": []}
+    for realm_id, realm in sorted(catalog.realms.items()):
+        for p in realm.prices:
+            rows["catalog_prices"].append((fp, realm_id, p.meter, p.price_id, p.unit_price_xusd,
+                                           p.unit_quantity_minor, p.rounding, p.effective_at))
+        for policy_id, policy in sorted(realm.policies.items()):
+            for v in policy.versions:
+                rows["catalog_policy_versions"].append(
+                    (fp, realm_id, policy_id, v.version, v.document.get("engine"), v.effective_at,
+                     v.dsl_json))
+        for code, f in sorted(realm.features.items()):
+            rows["catalog_features"].append((fp, realm_id, code, f.family, f.primary_meter,
+                                             list(f.meters)))
+    return rows
+
+
+def record_catalog(data_dir: Path, catalog: _Catalog, *, applied_at: datetime | None = None) -> bool:
+    """Append the catalog's rows to the lake in one transaction; False when its fingerprint
+    was recorded before (nothing is written then)."""
+    rows = catalog_rows(catalog, applied_at or datetime.now(timezone.utc))
+    conn = connect_lake(data_dir)
+    try:
+        return with_lake_retry(lambda: _append(conn, catalog.fingerprint, rows))
+    finally:
+        conn.close()
+
+
+def _append(conn: duckdb.DuckDBPyConnection, fingerprint: str, rows: CatalogRows) -> bool:
+    conn.execute("BEGIN")
+    try:
+        seen = conn.execute("SELECT count(*) FROM lake.catalog_versions WHERE fingerprint = ?",
+                            [fingerprint]).fetchone()
+        if seen and seen[0]:
+            conn.execute("ROLLBACK")
+            return False
+        for table, table_rows in rows.items():
+            if table_rows:
+                marks = ", ".join("?" * len(table_rows[0]))
+                conn.executemany(f"INSERT INTO lake.{table} VALUES ({marks})", table_rows)
+        conn.execute("COMMIT")
+        return True
+    except BaseException:
+        try:
+            conn.execute("ROLLBACK")
+        except duckdb.Error:
+            pass  # a failed COMMIT has already ended the transaction
+        raise

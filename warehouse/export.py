@@ -1,0 +1,403 @@
+"""Export from the operational file to the lake: exactly once, in commit order, in micro-batches.
+
+Three streams leave the operational file, each ordered by its `seq` (the writer assigns seq
+in commit order, so a snapshot of a table always holds a prefix of its seqs):
+
+    events          -> lake.events (every column and the export id) and lake.event_labels
+    commit_lines    -> lake.ratings (source gate_commit, run 'gate')
+    inline_ratings  -> lake.ratings (source event, run 'inline' unless the row names one)
+
+A round reads, per stream, the rows after the stream's watermark (`export_watermarks` in the
+operational file), writes all of them to the lake in ONE lake transaction together with one
+`lake.export_log` row per stream (its export id is the watermark's plus one), and only then
+advances the watermarks in the operational file. A crash between the two commits leaves the
+lake one export ahead of the file; before it writes anything, the exporter reconciles (at
+start and after any failure): the watermark is set to the lake's last export of the stream
+(an export_log row with the next export id means that export already landed, so the
+watermark moves to its `to_seq` and nothing is written again), once the lake's last row is
+checked to be this file's row. The lake transaction itself refuses an export id it already
+holds, so even a retried commit whose first attempt did land cannot write a row twice.
+
+The exporter runs in a thread of the writer process on a cursor of its own (a separate
+connection to the same database), so lake commits never hold up the group-commit loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from warehouse.lake import attach_lake, with_lake_retry
+
+__all__ = ["BATCH_ROWS", "STREAMS", "ExportMismatch", "LakeExporter", "Watermark",
+           "run_exporter_thread"]
+
+log = logging.getLogger("tollgate.export")
+
+STREAMS: tuple[str, ...] = ("events", "commit_lines", "inline_ratings")
+BATCH_ROWS = 50_000
+
+# The run ids under which exported ratings appear, and the kind of each in lake.rating_runs.
+_RUN_KINDS = {"gate": "gate", "inline": "inline"}
+
+# Per stream: the identity of the file's row at a seq, and whether the lake holds it.
+_IDENTITY: dict[str, tuple[str, str]] = {
+    "events": ("SELECT event_id::VARCHAR FROM events WHERE seq = ?",
+               "SELECT count(*) FROM lake.events WHERE event_id = ?::UUID AND seq = ?"),
+    "commit_lines": ("SELECT line_id FROM commit_lines WHERE seq = ?",
+                     "SELECT count(*) FROM lake.ratings WHERE rating_id = ? AND source = 'gate_commit'"),
+    "inline_ratings": ("SELECT rating_id FROM inline_ratings WHERE seq = ?",
+                       "SELECT count(*) FROM lake.ratings WHERE rating_id = ? AND source = 'event'"),
+}
+
+_RATING_COLUMNS = (
+    "rating_id, run_id, source, source_id, event_id, realm, billing_account_id, status, "
+    "policy_id, policy_version, feature_code, meter_code, quantity_minor, price_id, "
+    "unit_price_xusd, unit_quantity_minor, amount_xusd, occurred_at, rated_at, line_index"
+)
+
+
+class ExportMismatch(Exception):
+    """The lake holds an export that does not follow the file's watermark: exporting on would
+    either skip or repeat rows, so the stream stops until an operator looks."""
+
+
+@dataclass(frozen=True, slots=True)
+class Watermark:
+    stream: str
+    last_seq: int
+    export_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    stream: str
+    rows: pa.Table
+    export_id: int
+    from_seq: int
+    to_seq: int
+    full: bool  # the read hit the batch limit: more rows are probably waiting
+
+
+class LakeExporter:
+    """Moves committed operational rows to the lake. One instance per exporting thread; the
+    lake connection it opens is used only by the thread that calls `export_once`."""
+
+    def __init__(self, data_dir: Path, *, batch_rows: int = BATCH_ROWS) -> None:
+        self.data_dir = data_dir
+        self.batch_rows = batch_rows
+        self.behind = False  # the last round left rows behind (a full batch)
+        self._lake: duckdb.DuckDBPyConnection | None = None
+        self._reconciled: set[str] = set()
+        self._runs_recorded: set[str] = set()
+        self._labels_select: str | None = None
+
+    # ---- one round -------------------------------------------------------------------
+    def export_once(self, op_conn: duckdb.DuckDBPyConnection) -> dict[str, int]:
+        """Export what was committed since the last round; rows exported per stream."""
+        try:
+            return self._round(op_conn)
+        except BaseException:
+            # Whatever failed, the lake may now hold an export the file does not know of:
+            # reconcile every stream before the next write, on a fresh lake connection.
+            self._reconciled.clear()
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._lake is not None:
+            try:
+                self._lake.close()
+            except duckdb.Error:
+                pass
+            self._lake = None
+
+    def _round(self, op_conn: duckdb.DuckDBPyConnection) -> dict[str, int]:
+        lake = self._lake_connection()
+        marks = self._read_watermarks(op_conn)
+        for stream in STREAMS:
+            if stream not in self._reconciled:
+                marks[stream] = self._reconcile(op_conn, lake, marks[stream])
+                self._reconciled.add(stream)
+        batches = [b for b in (self._read_batch(op_conn, marks[s]) for s in STREAMS) if b is not None]
+        self.behind = any(b.full for b in batches)
+        counts = {s: 0 for s in STREAMS}
+        if not batches:
+            return counts
+        labels_select = self._labels_query(op_conn)
+        now = datetime.now(timezone.utc)
+        with_lake_retry(lambda: self._write_lake(lake, batches, labels_select, now))
+        self._advance_watermarks(op_conn, batches, now)
+        for batch in batches:
+            counts[batch.stream] = batch.rows.num_rows
+        return counts
+
+    # ---- the operational side -------------------------------------------------------
+    @staticmethod
+    def _read_watermarks(op_conn: duckdb.DuckDBPyConnection) -> dict[str, Watermark]:
+        marks = {s: Watermark(s, 0, 0) for s in STREAMS}
+        for stream, last_seq, export_id in op_conn.execute(
+                "SELECT stream, last_seq, export_id FROM export_watermarks").fetchall():
+            if stream in marks:
+                marks[stream] = Watermark(stream, int(last_seq), int(export_id))
+        return marks
+
+    def _read_batch(self, op_conn: duckdb.DuckDBPyConnection, mark: Watermark) -> _Batch | None:
+        limit = self.batch_rows
+        if mark.stream == "commit_lines":
+            # line_index is the line's place in its commit. A commit's lines are committed
+            # together, so a batch holds whole commits unless the limit cuts the last one,
+            # which is then left for the next round (below).
+            sql = ("SELECT *, (row_number() OVER (PARTITION BY commit_id ORDER BY seq) - 1)::INTEGER "
+                   "AS line_index FROM (SELECT * FROM commit_lines WHERE seq > ? ORDER BY seq LIMIT ?) "
+                   "ORDER BY seq")
+        else:
+            sql = f"SELECT * FROM {mark.stream} WHERE seq > ? ORDER BY seq LIMIT ?"
+        rows = op_conn.execute(sql, [mark.last_seq, limit]).to_arrow_table()
+        if rows.num_rows == 0:
+            return None
+        full = rows.num_rows >= limit
+        if full and mark.stream == "commit_lines":
+            commits = rows.column("commit_id")
+            last = commits[-1]
+            keep = pc.invert(pc.equal(commits, last))
+            if pc.any(keep).as_py():
+                rows = rows.filter(keep)
+        seqs = rows.column("seq")
+        return _Batch(mark.stream, rows, mark.export_id + 1, int(seqs[0].as_py()),
+                      int(seqs[-1].as_py()), full)
+
+    @staticmethod
+    def _store_watermark(op_conn: duckdb.DuckDBPyConnection, mark: Watermark, now: datetime) -> None:
+        op_conn.execute(
+            "INSERT INTO export_watermarks (stream, last_seq, export_id, exported_at) "
+            "VALUES (?, ?, ?, ?) ON CONFLICT (stream) DO UPDATE SET last_seq = excluded.last_seq, "
+            "export_id = excluded.export_id, exported_at = excluded.exported_at",
+            [mark.stream, mark.last_seq, mark.export_id, now])
+
+    def _advance_watermarks(self, op_conn: duckdb.DuckDBPyConnection, batches: list[_Batch],
+                            now: datetime) -> None:
+        """The step after the lake commit: one operational transaction for every stream."""
+        op_conn.execute("BEGIN")
+        try:
+            for batch in batches:
+                self._store_watermark(op_conn, Watermark(batch.stream, batch.to_seq, batch.export_id), now)
+            op_conn.execute("COMMIT")
+        except BaseException:
+            try:
+                op_conn.execute("ROLLBACK")
+            except duckdb.Error:
+                pass  # a failed COMMIT has already ended the transaction
+            raise
+
+    def _labels_query(self, op_conn: duckdb.DuckDBPyConnection) -> str:
+        """The SELECT of the operational `event_labels` view, to run over one batch of events.
+
+        Run in the file, the view types the labels of every event ever stored on each call;
+        run over a batch registered as `events`, it costs only that batch, and the typing rules
+        still come from the one definition in the file."""
+        if self._labels_select is None:
+            row = op_conn.execute(
+                "SELECT sql FROM duckdb_views() WHERE database_name = current_database() "
+                "AND schema_name = 'main' AND view_name = 'event_labels'").fetchone()
+            if row is None:
+                raise RuntimeError("the operational file has no event_labels view")
+            body = re.sub(r"^\s*CREATE\s+(?:OR\s+REPLACE\s+)?VIEW\s+\S+\s+AS\s+", "", str(row[0]),
+                          count=1, flags=re.IGNORECASE)
+            self._labels_select = body.strip().rstrip(";")
+        return self._labels_select
+
+    # ---- the lake side --------------------------------------------------------------
+    def _lake_connection(self) -> duckdb.DuckDBPyConnection:
+        if self._lake is None:
+            conn = duckdb.connect()
+            # One thread exports ~50,000 events with their labels a second here, more than
+            # the service accepts; more threads would only take cores from the writer.
+            conn.execute("SET threads = 1")
+            attach_lake(conn, self.data_dir)
+            self._lake = conn
+        return self._lake
+
+    def _reconcile(self, op_conn: duckdb.DuckDBPyConnection, lake: duckdb.DuckDBPyConnection,
+                   mark: Watermark) -> Watermark:
+        """Set the watermark to the lake's last export of the stream: the lake is the record
+        of what was exported, the watermark only its copy in the file.
+
+        Usually they agree. After a crash between the two commits the lake is one export
+        ahead: the watermark moves over it and nothing is written again. A lake restored from
+        an older copy (or removed) is behind: the rows after its last export go again."""
+        last = with_lake_retry(lambda: lake.execute(
+            "SELECT export_id, to_seq FROM lake.export_log WHERE stream = ? "
+            "ORDER BY export_id DESC LIMIT 1", [mark.stream]).fetchone())
+        found = Watermark(mark.stream, 0, 0) if last is None else Watermark(mark.stream, int(last[1]), int(last[0]))
+        if found == mark:
+            return mark
+        if last is not None:
+            self._check_same_source(op_conn, lake, found)
+        if found.export_id > mark.export_id:
+            log.warning("export %s#%d reached the lake before a crash; moving the watermark to seq %d "
+                        "without writing again", mark.stream, found.export_id, found.last_seq)
+        else:
+            log.warning("the lake's last export of %s is #%d (seq %d) but the file recorded #%d "
+                        "(seq %d); exporting again from seq %d", mark.stream, found.export_id,
+                        found.last_seq, mark.export_id, mark.last_seq, found.last_seq + 1)
+        self._store_watermark(op_conn, found, datetime.now(timezone.utc))
+        return found
+
+    @staticmethod
+    def _check_same_source(op_conn: duckdb.DuckDBPyConnection, lake: duckdb.DuckDBPyConnection,
+                           found: Watermark) -> None:
+        """The last exported row must be this file's row at that seq: a lake filled from
+        another operational file (or a file started afresh) would otherwise skip rows."""
+        op_sql, lake_sql = _IDENTITY[found.stream]
+        row = op_conn.execute(op_sql, [found.last_seq]).fetchone()
+        held = None
+        if row is not None:
+            params = [row[0], found.last_seq] if found.stream == "events" else [row[0]]
+            held = with_lake_retry(lambda: lake.execute(lake_sql, params).fetchone())
+        if not held or not held[0]:
+            raise ExportMismatch(
+                f"the lake's export {found.stream}#{found.export_id} ends at seq {found.last_seq}, "
+                "which is not this operational file's row; the lake was filled from another file")
+
+    def _write_lake(self, lake: duckdb.DuckDBPyConnection, batches: list[_Batch],
+                    labels_select: str, now: datetime) -> None:
+        """One lake transaction: every batch of the round and its export_log row."""
+        lake.execute("BEGIN")
+        registered: list[str] = []
+        try:
+            for batch in batches:
+                held = lake.execute("SELECT count(*) FROM lake.export_log WHERE stream = ? AND export_id = ?",
+                                    [batch.stream, batch.export_id]).fetchone()
+                if held and held[0]:
+                    raise ExportMismatch(f"lake already holds export {batch.stream}#{batch.export_id}")
+                # The events batch goes by `events`: the label view's SELECT reads that name.
+                name = "events" if batch.stream == "events" else f"export_{batch.stream}"
+                lake.register(name, batch.rows)
+                registered.append(name)
+                if batch.stream == "events":
+                    self._write_events(lake, name, batch, labels_select)
+                elif batch.stream == "commit_lines":
+                    self._write_commit_lines(lake, name)
+                else:
+                    self._write_inline_ratings(lake, name, batch)
+                lake.execute("INSERT INTO lake.export_log VALUES (?, ?, ?, ?, ?, ?)",
+                             [batch.stream, batch.export_id, batch.from_seq, batch.to_seq,
+                              batch.rows.num_rows, now])
+            runs = self._new_runs(lake, batches, now)
+            lake.execute("COMMIT")
+        except BaseException:
+            try:
+                lake.execute("ROLLBACK")
+            except duckdb.Error:
+                pass  # a failed COMMIT has already ended the transaction
+            raise
+        finally:
+            for name in registered:
+                lake.unregister(name)
+        self._runs_recorded.update(runs)
+
+    @staticmethod
+    def _write_events(lake: duckdb.DuckDBPyConnection, name: str, batch: _Batch,
+                      labels_select: str) -> None:
+        lake.execute(
+            "INSERT INTO lake.events (event_id, realm, billing_account_id, request_hash, "
+            "semantic_kind, event_type, occurred_at, subject_ref, payload, labels, created_at, "
+            "ingest_path, seq, export_id) "
+            "SELECT event_id::UUID, realm, billing_account_id, request_hash, semantic_kind, "
+            "event_type, occurred_at, subject_ref, payload::JSON, labels::JSON, created_at, "
+            f"ingest_path, seq, ? FROM {name} ORDER BY seq", [batch.export_id])
+        lake.execute(
+            "INSERT INTO lake.event_labels (event_id, realm, billing_account_id, key, slot, "
+            "value_text, value_uuid, value_bool, value_number, export_id) "
+            "SELECT event_id::UUID, realm, billing_account_id, key, slot, value_text, "
+            f"value_uuid::UUID, value_bool, value_number, ? FROM ({labels_select})",
+            [batch.export_id])
+
+    @staticmethod
+    def _write_commit_lines(lake: duckdb.DuckDBPyConnection, name: str) -> None:
+        lake.execute(
+            f"INSERT INTO lake.ratings ({_RATING_COLUMNS}) "
+            "SELECT line_id, 'gate', 'gate_commit', commit_id, NULL, realm, billing_account_id, "
+            "'rated', NULL, NULL, feature_code, meter_code, quantity_minor, price_id, "
+            "unit_price_xusd, unit_quantity_minor, amount_xusd, committed_at, committed_at, "
+            f"line_index FROM {name} ORDER BY seq")
+
+    @staticmethod
+    def _write_inline_ratings(lake: duckdb.DuckDBPyConnection, name: str, batch: _Batch) -> None:
+        columns = set(batch.rows.column_names)
+        run_id = "coalesce(run_id, 'inline')" if "run_id" in columns else "'inline'"
+        source_id = ("coalesce(source_id, event_id::VARCHAR)" if "source_id" in columns
+                     else "event_id::VARCHAR")
+        lake.execute(
+            f"INSERT INTO lake.ratings ({_RATING_COLUMNS}) "
+            f"SELECT rating_id, {run_id}, 'event', {source_id}, event_id::UUID, realm, "
+            "billing_account_id, status, policy_id, policy_version, feature_code, meter_code, "
+            "quantity_minor, price_id, unit_price_xusd, unit_quantity_minor, amount_xusd, "
+            f"occurred_at, rated_at, line_index FROM {name} ORDER BY seq")
+
+    def _new_runs(self, lake: duckdb.DuckDBPyConnection, batches: list[_Batch],
+                  now: datetime) -> set[str]:
+        """Give the standing runs 'gate' and 'inline' their lake.rating_runs row, once."""
+        used: set[str] = set()
+        for batch in batches:
+            if batch.stream == "commit_lines":
+                used.add("gate")
+            elif batch.stream == "inline_ratings":
+                names = batch.rows.column_names
+                used |= ({"inline"} if "run_id" not in names else
+                         {r or "inline" for r in batch.rows.column("run_id").unique().to_pylist()})
+        used &= _RUN_KINDS.keys()
+        wanted = used - self._runs_recorded
+        for run_id in sorted(wanted):
+            lake.execute(
+                "INSERT INTO lake.rating_runs SELECT ?, ?, 'open', ?, NULL, '{}', NULL, NULL "
+                "WHERE NOT EXISTS (SELECT 1 FROM lake.rating_runs WHERE run_id = ?)",
+                [run_id, _RUN_KINDS[run_id], now, run_id])
+        return wanted
+
+
+def run_exporter_thread(op_conn: duckdb.DuckDBPyConnection, data_dir: Path,
+                        stop: threading.Event, interval: float = 1.0) -> threading.Thread:
+    """Start exporting in a thread of its own until `stop` is set (then one last round).
+
+    Call it from the thread that owns `op_conn`, before that thread starts using it: the
+    cursor made here is a separate connection to the same database, used only by the new
+    thread. Failures are logged and retried with a growing pause (at most 30 s)."""
+    cursor = op_conn.cursor()
+    exporter = LakeExporter(data_dir)
+
+    def loop() -> None:
+        pause = interval
+        try:
+            while True:
+                stopping = stop.is_set()
+                try:
+                    counts = exporter.export_once(cursor)
+                    if any(counts.values()):
+                        log.debug("exported %s", counts)
+                    pause = 0.0 if exporter.behind else interval
+                except Exception:
+                    log.exception("lake export failed; retrying")
+                    pause = min(max(pause, interval) * 2, 30.0)
+                if stopping:
+                    return
+                stop.wait(pause)
+        finally:
+            exporter.close()
+            try:
+                cursor.close()
+            except duckdb.Error:
+                pass
+
+    thread = threading.Thread(target=loop, name="lake-exporter", daemon=True)
+    thread.start()
+    return thread
