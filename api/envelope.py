@@ -7,10 +7,10 @@ are any). Error: `{"ok": false, "code", "message", "trace_id", "meta": {"status"
 
 from __future__ import annotations
 
-import logging
-import re
 import itertools
+import logging
 import os
+import re
 from typing import Any
 
 import msgspec

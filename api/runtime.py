@@ -19,12 +19,11 @@ import msgspec
 
 from api.auth import AuthContext, Authenticator
 from api.config import Settings
-from api.errors import BadRequest, Unprocessable
+from api.errors import AppError, BadRequest, Unprocessable
+from api.gate.limits import RateLimiter
 from pipelines.catalog import Catalog, CatalogInvalid, Realm, load_catalog
 from warehouse.catalog_store import CatalogStore
 from warehouse.keys import ServiceKeyStore
-from api.errors import AppError
-from api.gate.limits import RateLimiter
 from warehouse.writer import RemoteFailure, WriterClient
 
 __all__ = ["Runtime"]

@@ -110,7 +110,7 @@ def write_result(columns: Sequence[str], types: Sequence[str], rows: Sequence[Se
         json_columns = {i for i, t in enumerate(types) if t == "JSON"}
         out.write("[")
         for n, row in enumerate(rows):
-            record = {name: _json_value(v, i in json_columns) for i, (name, v) in enumerate(zip(columns, row))}
+            record = {name: _json_value(v, i in json_columns) for i, (name, v) in enumerate(zip(columns, row, strict=False))}
             out.write(("\n" if n == 0 else ",\n") + _json.encode(record).decode())
         out.write("\n]\n" if rows else "]\n")
     elif fmt == "csv":
@@ -128,7 +128,7 @@ def _write_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], out: IO[
 
     def line(values: Sequence[str]) -> str:
         return " | ".join(v.rjust(w) if num else v.ljust(w)
-                          for v, w, num in zip(values, widths, numeric)).rstrip()
+                          for v, w, num in zip(values, widths, numeric, strict=False)).rstrip()
 
     out.write(line(list(columns)) + "\n")
     out.write("-+-".join("-" * w for w in widths) + "\n")

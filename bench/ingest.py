@@ -35,7 +35,7 @@ ACCOUNT = "acct_prepaid"
 
 def make_event(i: int) -> dict:
     return {"semantic_kind": "activity", "event_type": "llm.completion",
-            "occurred_at": "2026-11-20T10:%02d:%02dZ" % (i // 60 % 60, i % 60),
+            "occurred_at": f"2026-11-20T10:{i // 60 % 60:02d}:{i % 60:02d}Z",
             "subject_ref": f"req-{uuid.uuid4()}",
             "payload": {"schema": 2, "model": "m-large", "usage": {"input_tokens": 1000 + i % 977,
                                                                      "output_tokens": 200 + i % 311}},

@@ -118,6 +118,6 @@ def test_label_values_are_typed_into_exactly_one_slot(tmp_path) -> None:
     for key, slot, *values in rows:
         expected_slot, column, value = LABELS[key]
         assert slot == expected_slot, key
-        filled = {name: v for name, v in zip(slots, values) if v is not None}
+        filled = {name: v for name, v in zip(slots, values, strict=False) if v is not None}
         expected = uuid.UUID(value) if column == "value_uuid" else value
         assert filled == {column: expected}, key

@@ -11,7 +11,13 @@ from typing import Any
 
 import httpx
 import pytest
-from vlunaai import RequestContext, ServiceClientOptions, ServiceKeyCredentials, VlunaAIConfig, create_service_client
+from vlunaai import (
+    RequestContext,
+    ServiceClientOptions,
+    ServiceKeyCredentials,
+    VlunaAIConfig,
+    create_service_client,
+)
 
 from api.auth import sign_headers
 from tests.conftest import Service

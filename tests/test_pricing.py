@@ -148,7 +148,7 @@ def test_carry_stays_in_zero_to_unit_quantity_and_is_the_cumulative_modulo_the_u
 ) -> None:
     _, carries = commit_all(row, quantities)
     total = 0
-    for q, carry in zip(quantities, carries):
+    for q, carry in zip(quantities, carries, strict=False):
         total += q
         assert 0 <= carry < row.unit_quantity_minor
         assert carry == total % row.unit_quantity_minor
@@ -161,7 +161,7 @@ def test_every_prefix_of_commits_is_charged_the_quote_of_its_total(
 ) -> None:
     amounts, _ = commit_all(row, quantities)
     total = charged = 0
-    for q, amount in zip(quantities, amounts):
+    for q, amount in zip(quantities, amounts, strict=False):
         total += q
         charged += amount
         assert amount >= 0  # a commit never credits

@@ -73,7 +73,7 @@ class Transaction:
             flusher(self)
         for table, rows in self._rows.items():
             # One Arrow insert per table: executemany runs a statement per row.
-            columns = list(zip(*rows))
+            columns = list(zip(*rows, strict=False))
             staged = pa.Table.from_arrays(  # noqa: F841 (read by DuckDB below)
                 [pa.array(column) for column in columns], names=[f"c{i}" for i in range(len(columns))])
             self.conn.execute(f"INSERT INTO {table} SELECT * FROM staged")

@@ -115,7 +115,7 @@ class EventsController(Controller):
                 for index, event in valid:
                     results[index] = item_view(index, event, None, failure=str(exc))
             else:
-                for (index, event), identity in zip(valid, stored):
+                for (index, event), identity in zip(valid, stored, strict=False):
                     results[index] = item_view(index, event, identity)
         counts = {"accepted": 0, "duplicate": 0, "invalid": 0, "failed": 0}
         for r in results:

@@ -18,7 +18,15 @@ from api.auth import AuthContext
 from api.clock import utcnow
 from api.envelope import error_body, ok, trace_id_of
 from api.errors import BadRequest, Conflict, Forbidden, Unprocessable
-from api.gate.ops import AuthorizeOp, CancelOp, CommitOp, GateOutcome, IdemKey, MeterLine, RecordOutcomeOp
+from api.gate.ops import (
+    AuthorizeOp,
+    CancelOp,
+    CommitOp,
+    GateOutcome,
+    IdemKey,
+    MeterLine,
+    RecordOutcomeOp,
+)
 from api.requests import authenticate, read_body
 from api.runtime import Runtime
 from pipelines.catalog import CODE_PATTERN, Realm
