@@ -18,6 +18,7 @@ from api.errors import AppError, BadRequest, Unprocessable
 from api.events.ingest import IngestOp, event_view, item_view, to_record
 from api.requests import authenticate, read_body
 from api.runtime import Runtime
+from pipelines.catalog import Realm
 from pipelines.events import FieldError, ValidEvent, decode_event, validate_event
 
 __all__ = ["EventsController"]
@@ -39,16 +40,22 @@ def _malformed(exc: Exception) -> BadRequest:
     return BadRequest("VALIDATION.MALFORMED_JSON", f"body is not a JSON object: {exc}")
 
 
+async def _event_call(request: Request[Any, Any, Any]) -> tuple[Runtime, bytes, Realm, str]:
+    """Every event call: the raw body, its signature, and the account of the context."""
+    runtime: Runtime = request.app.state.runtime
+    body = await read_body(request)
+    ctx = authenticate(runtime, request, body)
+    realm, account = runtime.account_of_event_call(ctx)
+    return runtime, body, realm, account
+
+
 class EventsController(Controller):
     path = "/mgt/v1/events"
     tags = ["events"]
 
     @post("/", operation_id="record_billing_event", status_code=201)
     async def record(self, request: Request[Any, Any, Any]) -> Response[bytes]:
-        runtime: Runtime = request.app.state.runtime
-        body = await read_body(request)
-        ctx = authenticate(runtime, request, body)
-        realm, account = runtime.account_of_event_call(ctx)
+        runtime, body, realm, account = await _event_call(request)
         try:
             item = decode_event(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -63,10 +70,7 @@ class EventsController(Controller):
 
     @post("/batch", operation_id="record_billing_event_batch", status_code=207)
     async def record_batch(self, request: Request[Any, Any, Any]) -> Response[bytes]:
-        runtime: Runtime = request.app.state.runtime
-        body = await read_body(request)
-        ctx = authenticate(runtime, request, body)
-        realm, account = runtime.account_of_event_call(ctx)
+        runtime, body, realm, account = await _event_call(request)
         try:
             batch = _decode_batch(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
