@@ -1,4 +1,4 @@
-"""The `tollgate` command: serve, keys, catalog, call.
+"""The `tollgate` command: serve, keys, catalog, call, sql.
 
 Every subcommand takes `--data-dir` (or TOLLGATE_DATA_DIR); `serve` also takes `--host` and
 `--port` (TOLLGATE_HOST, TOLLGATE_PORT). On its first start `serve` applies the demo catalog
