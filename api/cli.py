@@ -230,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     call.add_argument("--idempotency-key")
     call.set_defaults(func=cmd_call)
     sql_command.register(sub)
+    from api.flows_command import register as register_flows
+    register_flows(sub)
     return parser
 
 

@@ -64,10 +64,15 @@ class Runtime:
         self.writer = WriterClient(ours, RESULT_TYPES)
         await self.writer.start()
         self._tasks.append(asyncio.create_task(self._poll_files()))
+        from api.flow_scheduler import FlowScheduler
+
+        self._scheduler = FlowScheduler.start(self.settings)
         self.ready = True
 
     async def stop(self) -> None:
         self.ready = False
+        if hasattr(self, "_scheduler"):
+            await asyncio.to_thread(self._scheduler.stop)
         for task in self._tasks:
             task.cancel()
         await self.writer.close()

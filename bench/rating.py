@@ -1,0 +1,267 @@
+"""Rating sweep throughput and memory, next to the raw limit measured in the same run.
+
+    python bench/rating.py [--events 5000000] [--sizes 1000000,5000000,20000000]
+                           [--chunk-events 1000000] [--keep DIR]
+
+For each size: N events across 1,000 accounts and 30 days go straight into a fresh lake (a
+bulk Arrow insert per million, no HTTP), with a generated catalog of three single-engine
+policies (LLM tokens in two meters priced per 1,000 with carry, API calls, storage KiB) and
+one aggregate policy (peak seats per day). Then, each in a process of its own so that peak
+memory (ru_maxrss) is the step's own:
+
+- the sweep: every event rated, priced and written to lake.ratings (events/s, peak memory);
+- the raw limit: one DuckDB scan of the same events extracting the same payload paths
+  (json_extract_string per path, as an analyst would write it).
+
+The sweep's share of the raw scan's rate is printed last. `nproc` is printed first: the
+targets are for 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flows.workspace import open_lake, scratch_dir  # noqa: E402
+from pipelines.catalog import load_catalog  # noqa: E402
+from pipelines.rating_plan import RatingPlan  # noqa: E402
+from pipelines.rating_runs import RatingLock  # noqa: E402
+from pipelines.sweep import CHUNK_EVENTS, sweep  # noqa: E402
+from warehouse.catalog_store import CatalogStore  # noqa: E402
+from warehouse.lake import connect_lake  # noqa: E402
+
+ACCOUNTS = 1000
+DAYS = 30
+BATCH = 1_000_000
+# The payload paths the single-engine policies read (the aggregate one is rated per day).
+PATHS = ("$.usage.input_tokens", "$.usage.output_tokens", "$.status", "$.bytes")
+
+CATALOG = """
+[realms.bench.settings]
+lateness_allowance_seconds = 7200
+{accounts}
+[realms.bench.meters."llm.input_tokens"]
+unit = "token"
+[realms.bench.meters."llm.output_tokens"]
+unit = "token"
+[realms.bench.meters."api.calls"]
+unit = "call"
+[realms.bench.meters."storage.kib"]
+unit = "KiB"
+[realms.bench.meters."seats"]
+unit = "seat"
+
+[realms.bench.features."llm.chat"]
+primary_meter = "llm.input_tokens"
+meters = ["llm.input_tokens", "llm.output_tokens"]
+[realms.bench.features."api.search"]
+primary_meter = "api.calls"
+[realms.bench.features."storage"]
+primary_meter = "storage.kib"
+[realms.bench.features."seats"]
+primary_meter = "seats"
+
+[[realms.bench.prices]]
+meter = "llm.input_tokens"
+unit_price_xusd = "150"
+unit_quantity_minor = "1000"
+rounding = "floor"
+effective_at = "2026-01-01T00:00:00Z"
+[[realms.bench.prices]]
+meter = "llm.output_tokens"
+unit_price_xusd = "600"
+unit_quantity_minor = "1000"
+rounding = "ceil"
+effective_at = "2026-01-01T00:00:00Z"
+[[realms.bench.prices]]
+meter = "api.calls"
+unit_price_xusd = "2000"
+unit_quantity_minor = "1"
+effective_at = "2026-01-01T00:00:00Z"
+[[realms.bench.prices]]
+meter = "storage.kib"
+unit_price_xusd = "3"
+unit_quantity_minor = "1024"
+rounding = "nearest"
+effective_at = "2026-01-01T00:00:00Z"
+[[realms.bench.prices]]
+meter = "seats"
+unit_price_xusd = "1000000"
+unit_quantity_minor = "1"
+effective_at = "2026-01-01T00:00:00Z"
+
+[[realms.bench.policies]]
+id = "llm"
+[[realms.bench.policies.versions]]
+version = "v1"
+effective_at = "2026-01-01T00:00:00Z"
+dsl_json = '''{{"dsl_version": "v1", "engine": "single",
+ "match": {{"event_type": "llm.completion", "where": {{"gt": [{{"payload": "usage.input_tokens"}}, 0]}}}},
+ "emit": {{"intents": [{{"feature_code": "llm.chat", "meters": [
+   {{"meter_code": "llm.input_tokens", "quantity_minor": {{"payload_int": "usage.input_tokens"}}}},
+   {{"meter_code": "llm.output_tokens", "quantity_minor": {{"payload_int": "usage.output_tokens"}}}}]}}]}}}}'''
+[[realms.bench.policies]]
+id = "api"
+[[realms.bench.policies.versions]]
+version = "v1"
+effective_at = "2026-01-01T00:00:00Z"
+dsl_json = '''{{"dsl_version": "v1", "engine": "single",
+ "match": {{"event_type": "api.request", "where": {{"lt": [{{"payload": "status"}}, 500]}}}},
+ "emit": {{"intents": [{{"feature_code": "api.search", "meters": [
+   {{"meter_code": "api.calls", "quantity_minor": {{"const": 1}}}}]}}]}}}}'''
+[[realms.bench.policies]]
+id = "storage"
+[[realms.bench.policies.versions]]
+version = "v1"
+effective_at = "2026-01-01T00:00:00Z"
+dsl_json = '''{{"dsl_version": "v1", "engine": "single",
+ "match": {{"event_type": "storage.write"}},
+ "emit": {{"intents": [{{"feature_code": "storage", "meters": [
+   {{"meter_code": "storage.kib", "quantity_minor":
+     {{"div": [{{"payload_int": "bytes"}}, {{"const": 1024}}], "rounding": "ceil"}}}}]}}]}}}}'''
+[[realms.bench.policies]]
+id = "seats"
+[[realms.bench.policies.versions]]
+version = "v1"
+effective_at = "2026-01-01T00:00:00Z"
+dsl_json = '''{{"dsl_version": "v1", "engine": "aggregate",
+ "match": {{"event_type": "seats.snapshot"}},
+ "emit": {{"intents": [{{"feature_code": "seats", "meters": [
+   {{"meter_code": "seats", "quantity_minor": {{"agg": {{"op": "max", "of": {{"payload": "seats"}}}}}}}}]}}]}}}}'''
+"""
+
+# Six in ten events are LLM completions, two API requests (one in seven of those failed, so
+# not billed), one a storage write, one a seats snapshot.
+EVENTS_SQL = """
+SELECT uuid() AS event_id, 'bench' AS realm,
+       'acct-' || lpad(CAST(hash(i) % {accounts} AS VARCHAR), 4, '0') AS billing_account_id,
+       'h' || i AS request_hash, 'activity' AS semantic_kind,
+       CASE i % 10 WHEN 0 THEN 'seats.snapshot' WHEN 1 THEN 'storage.write'
+            WHEN 2 THEN 'api.request' WHEN 3 THEN 'api.request' ELSE 'llm.completion' END AS event_type,
+       TIMESTAMPTZ '2026-10-01 00:00:00+00'
+         + to_microseconds(CAST(hash(i * 7 + 1) % ({days} * 86400000000) AS BIGINT)) AS occurred_at,
+       CAST(NULL AS VARCHAR) AS subject_ref,
+       CAST(CASE i % 10
+         WHEN 0 THEN '{{"seats":' || (hash(i) % 50) || '}}'
+         WHEN 1 THEN '{{"bytes":' || (hash(i) % 100000) || '}}'
+         WHEN 2 THEN '{{"endpoint":"/search","status":200}}'
+         WHEN 3 THEN '{{"endpoint":"/search","status":' || CASE WHEN i % 7 = 0 THEN 503 ELSE 200 END || '}}'
+         ELSE '{{"model":"m' || (i % 3) || '","usage":{{"input_tokens":' || (hash(i) % 5000)
+              || ',"output_tokens":' || (hash(i + 1) % 2000) || '}}}}' END AS JSON) AS payload,
+       CAST('{{"env":"prod"}}' AS JSON) AS labels, now() AS created_at, 'batch' AS ingest_path,
+       i + 1 AS seq, {export_id} AS export_id
+FROM range({first}, {last}) AS t(i)
+"""
+
+
+def catalog_text() -> str:
+    accounts = "".join(f'[realms.bench.accounts.acct-{n:04d}]\nfunding = "postpaid"\n'
+                       for n in range(ACCOUNTS))
+    return CATALOG.format(accounts=accounts)
+
+
+def generate(data_dir: Path, events: int) -> float:
+    """Fill a fresh lake with `events` events and apply the catalog; seconds taken."""
+    began = time.monotonic()
+    text = catalog_text()
+    CatalogStore(data_dir / "catalog").apply(text, load_catalog(text).fingerprint)
+    conn = connect_lake(data_dir)
+    conn.execute("SET enable_progress_bar = false")
+    for export_id, first in enumerate(range(0, events, BATCH), start=1):
+        batch = conn.execute(EVENTS_SQL.format(  # noqa: F841 (read by DuckDB below)
+            accounts=ACCOUNTS, days=DAYS, export_id=export_id, first=first,
+            last=min(events, first + BATCH))).to_arrow_table()
+        conn.execute("INSERT INTO lake.events SELECT * FROM batch")
+    conn.close()
+    return time.monotonic() - began
+
+
+def run_sweep(data_dir: Path, chunk_events: int) -> dict[str, float]:
+    text = CatalogStore(data_dir / "catalog").read() or ""
+    plan = RatingPlan.from_catalog(load_catalog(text))
+    conn = open_lake(data_dir)  # the flows' settings: memory capped, spilling next to the lake
+    began = time.monotonic()
+    runs = sweep(conn, plan, RatingLock(data_dir / "lake" / "rating.lock"),
+                 chunk_events=chunk_events, scratch=scratch_dir(data_dir))
+    seconds = time.monotonic() - began
+    conn.close()
+    return {"seconds": seconds, "events": sum(r.events for r in runs),
+            "lines": sum(r.lines for r in runs), "runs": len(runs)}
+
+
+def run_raw_scan(data_dir: Path) -> dict[str, float]:
+    conn = connect_lake(data_dir, read_only=True)
+    reads = ", ".join(f"sum(TRY_CAST(json_extract_string(payload, '{p}') AS BIGINT))" for p in PATHS)
+    began = time.monotonic()
+    row = conn.execute(f"SELECT count(*), {reads} FROM lake.events").fetchone()
+    seconds = time.monotonic() - began
+    conn.close()
+    return {"seconds": seconds, "events": int(row[0]) if row else 0}
+
+
+def _in_child(step: str, data_dir: Path, chunk_events: int) -> dict[str, float]:
+    """Run a step in a fresh process; its result plus that process's peak RSS."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--step", step, "--data-dir", str(data_dir),
+         "--chunk-events", str(chunk_events)], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _gib(kib: float) -> str:
+    return f"{kib / 1024 / 1024:.2f} GiB"
+
+
+def bench(events: int, chunk_events: int, keep: Path | None) -> None:
+    folder = Path(tempfile.mkdtemp(prefix="tollgate-bench-", dir=keep))
+    try:
+        seconds = generate(folder, events)
+        print(f"events={events:,}: generated in {seconds:.1f} s", flush=True)
+        swept = _in_child("sweep", folder, chunk_events)
+        raw = _in_child("raw", folder, chunk_events)
+        sweep_rate = swept["events"] / swept["seconds"]
+        raw_rate = raw["events"] / raw["seconds"]
+        print(f"  sweep:    {swept['events']:,.0f} events rated in {swept['seconds']:.2f} s"
+              f" = {sweep_rate:,.0f} events/s ({swept['lines']:,.0f} rating rows,"
+              f" {swept['runs']:.0f} runs); peak RSS {_gib(swept['maxrss_kib'])}", flush=True)
+        print(f"  raw scan: {raw['events']:,.0f} events, {len(PATHS)} payload paths in"
+              f" {raw['seconds']:.2f} s = {raw_rate:,.0f} events/s; peak RSS {_gib(raw['maxrss_kib'])}")
+        print(f"  sweep rate = {100 * sweep_rate / raw_rate:.0f} % of the raw scan", flush=True)
+    finally:
+        if keep is None:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--events", type=int, default=5_000_000)
+    parser.add_argument("--sizes", help="comma-separated event counts, e.g. 1000000,5000000")
+    parser.add_argument("--chunk-events", type=int, default=CHUNK_EVENTS)
+    parser.add_argument("--keep", type=Path, help="make the data folders here and keep them")
+    parser.add_argument("--step", choices=("sweep", "raw"), help=argparse.SUPPRESS)
+    parser.add_argument("--data-dir", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.step:
+        result = (run_sweep(args.data_dir, args.chunk_events) if args.step == "sweep"
+                  else run_raw_scan(args.data_dir))
+        result["maxrss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        print(json.dumps(result))
+        return 0
+    print(f"nproc: {os.cpu_count()} (sched_getaffinity: {len(os.sched_getaffinity(0))})")
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else [args.events]
+    for size in sizes:
+        bench(size, args.chunk_events, args.keep)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

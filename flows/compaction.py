@@ -1,0 +1,27 @@
+"""The `compact-lake` flow: merge small files, expire old snapshots, delete unused files."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from flows.workspace import open_lake, resolve_data_dir
+from warehouse.compaction import compact_lake as compact
+
+__all__ = ["compact_lake"]
+
+
+@flow(name="compact-lake")
+def compact_lake(data_dir: str | None = None, retention_hours: float = 7 * 24) -> dict[str, Any]:
+    """Compact the lake, keeping `retention_hours` of snapshots for time travel."""
+    conn = open_lake(resolve_data_dir(data_dir))
+    try:
+        report = compact(conn, retention=timedelta(hours=retention_hours))
+    finally:
+        conn.close()
+    get_run_logger().info("merged %d files, expired %d snapshots, deleted %d files",
+                          report.merged_files, report.expired_snapshots, report.deleted_files)
+    return {"merged_files": report.merged_files, "expired_snapshots": report.expired_snapshots,
+            "deleted_files": report.deleted_files}

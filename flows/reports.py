@@ -1,0 +1,73 @@
+"""The `publish-usage-reports` flow: usage per day and month, per account, feature and meter,
+from the current ratings, written three ways: appended to `lake.usage_reports`, as Parquet
+files under `<data_dir>/reports/`, and as a Prefect table artifact."""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_table_artifact
+
+from flows.workspace import open_lake, resolve_data_dir
+from pipelines.usage_reports import REPORT_COLUMNS, build_usage_report
+from warehouse.lake import with_lake_retry
+
+__all__ = ["publish_usage_reports"]
+
+# A table artifact is for reading in the UI; the Parquet files hold the whole report.
+_ARTIFACT_ROWS = 500
+
+
+@flow(name="publish-usage-reports")
+def publish_usage_reports(data_dir: str | None = None) -> dict[str, Any]:
+    """Publish the usage report of the current ratings; returns its run id and row counts."""
+    folder = resolve_data_dir(data_dir)
+    published_at = datetime.now(timezone.utc)
+    run_id = f"report-{published_at.strftime('%Y%m%dT%H%M%S%fZ')}"
+    conn = open_lake(folder)
+    try:
+        report = build_usage_report(conn, run_id, published_at)
+        conn.register("report_rows", report)
+        with_lake_retry(lambda: conn.execute(
+            f"INSERT INTO lake.usage_reports ({REPORT_COLUMNS}) SELECT {REPORT_COLUMNS} FROM report_rows"))
+        conn.unregister("report_rows")
+    finally:
+        conn.close()
+    files = _write_parquet(folder / "reports", run_id, report)
+    rows = report.filter(pc.equal(report.column("period"), "month")).slice(0, _ARTIFACT_ROWS)
+    create_table_artifact(
+        table=[{k: (str(v) if v is not None else None) for k, v in row.items()}
+               for row in rows.select(["period_start", "realm", "billing_account_id", "feature_code",
+                                       "meter_code", "quantity_minor", "amount_xusd", "event_count",
+                                       "line_count"]).to_pylist()],
+        key="usage-report", description=f"Monthly usage, report {run_id} (amounts in xusd)")
+    counts = {period: int(pc.sum(pc.equal(report.column("period"), period)).as_py() or 0)
+              for period in ("day", "month")}
+    get_run_logger().info("published %s: %d day rows, %d month rows", run_id, counts["day"],
+                          counts["month"])
+    return {"run_id": run_id, "rows": counts, "files": [str(f) for f in files]}
+
+
+def _write_parquet(folder: Path, run_id: str, report: pa.Table) -> list[Path]:
+    """`reports/<run_id>/usage_<period>.parquet`, and `reports/usage_<period>.parquet` replaced
+    atomically by the latest."""
+    kept = folder / run_id
+    kept.mkdir(parents=True, exist_ok=True)
+    written = []
+    for period in ("day", "month"):
+        rows = report.filter(pc.equal(report.column("period"), period))
+        target = kept / f"usage_{period}.parquet"
+        pq.write_table(rows, target)
+        latest = folder / f"usage_{period}.parquet"
+        staging = folder / f".usage_{period}.{os.getpid()}.parquet"
+        pq.write_table(rows, staging)
+        os.replace(staging, latest)
+        written += [target, latest]
+    return written

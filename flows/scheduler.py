@@ -1,0 +1,79 @@
+"""The schedules of `tollgate serve`: `python -m flows.scheduler --data-dir D`.
+
+A child process of the service that runs each flow as a Prefect flow run on its interval:
+rate-events every minute, close-aggregate-days every 15 minutes, publish-usage-reports every
+hour, compact-lake every day. The first run of each comes one interval after start, so the
+service starts as fast as without it. Runs go to the Prefect API of PREFECT_API_URL when set,
+else to a temporary local one that Prefect starts on the first run.
+
+It dies with the service: on Linux the kernel sends it SIGTERM when its parent dies, and
+SIGTERM ends it through `sys.exit`, so Prefect's exit hooks stop the temporary API server.
+A flow that fails is logged and tried again at its next time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+
+from flows import flow_named
+
+__all__ = ["SCHEDULE", "main"]
+
+log = logging.getLogger("tollgate.scheduler")
+
+SCHEDULE: tuple[tuple[str, float], ...] = (
+    ("rate-events", 60.0),
+    ("close-aggregate-days", 15 * 60.0),
+    ("publish-usage-reports", 60 * 60.0),
+    ("compact-lake", 24 * 60 * 60.0),
+)
+
+
+def _end_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: the service stops it itself
+
+
+def _exit(signum: int, frame: FrameType | None) -> None:
+    sys.exit(0)
+
+
+def run_schedule(data_dir: Path, schedule: Sequence[tuple[str, float]] = SCHEDULE) -> None:
+    """Run the flows on their intervals until the process is told to stop."""
+    start = time.monotonic()
+    due = {name: start + interval for name, interval in schedule}
+    intervals = dict(schedule)
+    while True:
+        name = min(due, key=due.__getitem__)
+        time.sleep(max(0.0, due[name] - time.monotonic()))
+        try:
+            flow_named(name)(data_dir=str(data_dir))
+        except Exception:
+            log.exception("flow %s failed; next try in %.0f s", name, intervals[name])
+        due[name] = max(due[name] + intervals[name], time.monotonic())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flows.scheduler")
+    parser.add_argument("--data-dir", required=True)
+    args = parser.parse_args(argv)
+    _end_with_parent()
+    signal.signal(signal.SIGTERM, _exit)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
+    run_schedule(Path(args.data_dir).resolve())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

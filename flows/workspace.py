@@ -1,0 +1,63 @@
+"""The data folder a flow works on: its lake, its applied catalog and its rating lock.
+
+Every flow takes `data_dir`; None means TOLLGATE_DATA_DIR, else `./var`, as for the service.
+Flows read and write the lake only, never the service's operational file.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime
+from pathlib import Path
+
+import duckdb
+
+from pipelines.catalog import Catalog, load_catalog
+from pipelines.rating_runs import RatingLock
+from warehouse.catalog_store import CatalogStore
+from warehouse.lake import connect_lake
+
+__all__ = ["applied_catalog", "open_lake", "parse_instant", "rating_lock", "resolve_data_dir",
+           "scratch_dir"]
+
+# DuckDB spills to disk beyond this, so a flow's memory stays flat however big the lake.
+_MEMORY_LIMIT = os.environ.get("TOLLGATE_FLOW_MEMORY_LIMIT", "1GB")
+
+
+def resolve_data_dir(data_dir: str | os.PathLike[str] | None) -> Path:
+    return Path(data_dir or os.environ.get("TOLLGATE_DATA_DIR") or "var").resolve()
+
+
+def scratch_dir(data_dir: Path) -> Path:
+    """Where flows spill and keep work in progress: next to the lake, on the same disk."""
+    return data_dir / "lake" / "spill"
+
+
+def open_lake(data_dir: Path) -> duckdb.DuckDBPyConnection:
+    """A DuckDB connection with the lake attached as `lake`, memory capped."""
+    conn = connect_lake(data_dir)
+    spill = scratch_dir(data_dir)
+    spill.mkdir(parents=True, exist_ok=True)
+    conn.execute(f"SET memory_limit = '{_MEMORY_LIMIT}'")
+    conn.execute(f"SET temp_directory = '{spill}'")
+    # Rows of a rating run need no order in their files; unordered writes run in parallel.
+    conn.execute("SET preserve_insertion_order = false")
+    return conn
+
+
+def applied_catalog(data_dir: Path) -> Catalog:
+    """The catalog applied with `tollgate catalog apply` (an empty one before the first)."""
+    text = CatalogStore(data_dir / "catalog").read()
+    return Catalog.empty() if text is None else load_catalog(text)
+
+
+def rating_lock(data_dir: Path, timeout: float | None = None) -> RatingLock:
+    return RatingLock(data_dir / "lake" / "rating.lock", timeout)
+
+
+def parse_instant(text: str | datetime) -> datetime:
+    """An RFC 3339 instant with an offset (a flow parameter)."""
+    moment = text if isinstance(text, datetime) else datetime.fromisoformat(text)
+    if moment.tzinfo is None:
+        raise ValueError(f"{text!r} needs an offset, e.g. 2026-11-01T00:00:00Z")
+    return moment

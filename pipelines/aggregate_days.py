@@ -1,0 +1,175 @@
+"""Aggregate days: rate aggregate-engine policies per account, event type and UTC day.
+
+The sweep gives an event matched by one aggregate policy a `deferred` row (its policy and
+version). `close_aggregate_days(conn, plan, lock, lateness=..., now=...)` then, under the
+rating lock and right after a sweep (so every exported event has been looked at):
+
+1. finds the days that are closed, `day + 1 day + lateness_allowance_seconds <= now` (the
+   realm's setting), and that are new or changed: an event of the day (account, event type)
+   whose current rating is newer than the day's last aggregate lines, or a day with deferred
+   events and no aggregate lines yet. A late event for a closed day is swept into a new
+   `deferred` row, which is exactly such a change;
+2. rates each of those days with `compile_aggregate_sql` over its currently deferred events,
+   one group per policy version (a day split by a new version gives lines of both);
+3. writes one `aggregate` run: a `reversal` of the day's previous aggregate lines, if any,
+   and the new lines, priced with the price row in force at the start of the day and the
+   carry of the run (per account and price row, in day order).
+
+An aggregate line has source `event`, `source_id` f"{account}/{event_type}/{day}" (day as
+YYYY-MM-DD), no event_id, occurred_at the start of its day, and `line_index` the line's place
+in its policy's document (lines of one intent naming one meter twice are added up).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+
+import duckdb
+
+from pipelines.rating import compile_aggregate_sql
+from pipelines.rating_plan import (
+    RatingPlan,
+    amounts_sql,
+    described_sql,
+    priced_sql,
+    sql_instant,
+    sql_text,
+)
+from pipelines.rating_runs import (
+    RatingLock,
+    RunSummary,
+    current_batch_sql,
+    new_run_id,
+    rating_id_sql,
+    reversal_rows_sql,
+    write_run,
+)
+from pipelines.sweep import CHUNK_EVENTS, sweep_locked
+
+__all__ = ["close_aggregate_days"]
+
+_EVENTS = "_aggregate_events"
+_DAYS = "_aggregate_days"
+_LINES = "_aggregate_lines"
+_PREVIOUS = "_aggregate_previous"
+_LATENESS = "_aggregate_lateness"
+
+
+def close_aggregate_days(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, lock: RatingLock, *,
+                         lateness: Mapping[str, int], now: datetime | None = None,
+                         chunk_events: int = CHUNK_EVENTS,
+                         scratch: Path | None = None) -> list[RunSummary]:
+    """Sweep, then rate the closed days that are new or changed. `lateness` maps each realm
+    to its lateness allowance in seconds. Returns the runs written (sweep runs included)."""
+    moment = now or datetime.now(timezone.utc)
+    with lock:
+        runs = sweep_locked(conn, plan, chunk_events=chunk_events, scratch=scratch)
+        run = _rate_days(conn, plan, lateness, moment)
+        return runs + ([run] if run is not None else [])
+
+
+def _rate_days(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, lateness: Mapping[str, int],
+               now: datetime) -> RunSummary | None:
+    versions = [v for v in plan.versions if v.document.engine == "aggregate"]
+    if not versions:
+        return None
+    began = time.monotonic()
+    conn.execute(f"CREATE OR REPLACE TEMP TABLE {_LATENESS} (realm VARCHAR, seconds BIGINT)")
+    if lateness:
+        conn.executemany(f"INSERT INTO {_LATENESS} VALUES (?, ?)", list(lateness.items()))
+    # Every event that was ever deferred, with its current batch rating (deferred or not:
+    # an event re-rated away from its aggregate policy changes its day too).
+    once_deferred = ("r.event_id IN (SELECT event_id FROM lake.ratings"
+                     " WHERE source = 'event' AND status = 'deferred')")
+    conn.execute(
+        f"CREATE OR REPLACE TEMP TABLE {_EVENTS} AS SELECT c.realm, c.event_id, c.status,"
+        " c.policy_id, c.policy_version, c.run_finished_at, e.billing_account_id, e.event_type,"
+        " CAST(e.occurred_at AT TIME ZONE 'UTC' AS DATE) AS usage_day"
+        f" FROM ({current_batch_sql(once_deferred)}) AS c"
+        " JOIN lake.events AS e ON e.event_id = c.event_id")
+    day_key = "concat(billing_account_id, '/', event_type, '/', strftime(usage_day, '%Y-%m-%d'))"
+    day_start = "(CAST(usage_day AS TIMESTAMP) AT TIME ZONE 'UTC')"
+    conn.execute(
+        f"CREATE OR REPLACE TEMP TABLE {_DAYS} AS"
+        f" SELECT e.realm, billing_account_id, event_type, usage_day, {day_key} AS source_id,"
+        " max(run_finished_at) AS changed_at, bool_or(status = 'deferred') AS has_deferred"
+        f" FROM {_EVENTS} AS e LEFT JOIN {_LATENESS} AS l ON l.realm = e.realm"
+        f" WHERE {day_start} + INTERVAL 1 DAY + to_seconds(coalesce(l.seconds, 7200))"
+        f" <= {sql_instant(now)} GROUP BY ALL")
+    # The days' previous aggregate lines; a day whose lines are newer than its events, or
+    # that never had lines and has nothing deferred any more, needs nothing.
+    previous = current_batch_sql(
+        f"r.event_id IS NULL AND EXISTS (SELECT 1 FROM {_DAYS} AS d"
+        " WHERE d.realm = r.realm AND d.source_id = r.source_id)")
+    conn.execute(f"CREATE OR REPLACE TEMP TABLE {_PREVIOUS} AS {previous}")
+    conn.execute(
+        f"DELETE FROM {_DAYS} AS d WHERE EXISTS (SELECT 1 FROM {_PREVIOUS} AS p"
+        " WHERE p.realm = d.realm AND p.source_id = d.source_id"
+        " AND p.run_finished_at >= d.changed_at)")
+    conn.execute(
+        f"DELETE FROM {_DAYS} AS d WHERE NOT d.has_deferred AND NOT EXISTS (SELECT 1 FROM"
+        f" {_PREVIOUS} AS p WHERE p.realm = d.realm AND p.source_id = d.source_id)")
+    days = conn.execute(f"SELECT count(*) FROM {_DAYS}").fetchone()
+    day_count = int(days[0]) if days else 0
+    if not day_count:
+        return None
+
+    lines = []
+    for version in versions:
+        # The day's facts come from lake.events again, for the days being rated only.
+        source = (
+            "(SELECT x.billing_account_id, x.semantic_kind, x.event_type,"
+            " strftime(x.occurred_at AT TIME ZONE 'UTC', '%Y-%m-%dT%H:%M:%S.%fZ') AS occurred_at,"
+            " x.subject_ref, CAST(x.payload AS VARCHAR) AS payload,"
+            " CAST(x.labels AS VARCHAR) AS labels"
+            f" FROM {_EVENTS} AS e JOIN lake.events AS x ON x.event_id = e.event_id"
+            " WHERE e.status = 'deferred'"
+            f" AND e.realm = {sql_text(version.realm)}"
+            f" AND e.policy_id = {sql_text(version.policy_id)}"
+            f" AND e.policy_version = {sql_text(version.version)}"
+            f" AND EXISTS (SELECT 1 FROM {_DAYS} AS d WHERE d.realm = e.realm"
+            " AND d.billing_account_id = e.billing_account_id AND d.event_type = e.event_type"
+            " AND d.usage_day = e.usage_day))")
+        keys = []
+        for intent_index, intent in enumerate(version.document.intents):
+            for meter_index, meter in enumerate(intent.meters):
+                first = next(i for i, m in enumerate(intent.meters) if m.meter_code == meter.meter_code)
+                if first == meter_index:
+                    key = plan.aggregate_line_key(version.key, intent_index, meter_index)
+                    keys.append(f"({intent_index}, {sql_text(meter.meter_code)}, {key})")
+        lines.append(
+            f"SELECT {sql_text(version.realm)} AS realm, a.billing_account_id, a.event_type,"
+            " a.usage_day, k.line_key, a.quantity_minor"
+            f" FROM ({compile_aggregate_sql(version.document, source, plan.params)}) AS a"
+            f" JOIN (VALUES {', '.join(keys)}) AS k(intent_index, meter_code, line_key)"
+            " ON k.intent_index = a.intent_index AND k.meter_code = a.meter_code")
+    conn.execute(
+        f"CREATE OR REPLACE TEMP TABLE {_LINES} AS SELECT realm, billing_account_id,"
+        f" {day_key} AS source_id, CAST(NULL AS UUID) AS event_id,"
+        f" {day_start} AS occurred_at, line_key,"
+        f" CAST(least(sum(quantity_minor), {2 ** 63 - 1}) AS BIGINT) AS quantity_minor"
+        f" FROM ({' UNION ALL '.join(lines)}) GROUP BY ALL")
+    started_at = datetime.now(timezone.utc)
+    run_id = new_run_id("aggregate", started_at)
+    rated_at = sql_instant(started_at)
+    priced = f"({priced_sql(_LINES)})"
+    described = described_sql(f"({amounts_sql(priced, 'source_id, line_key')})")
+    new_rows = (
+        f"SELECT {rating_id_sql(run_id)}, '{run_id}', 'event', source_id, event_id, realm,"
+        " billing_account_id, status, policy_id, policy_version, feature_code, meter_code,"
+        " quantity_minor, price_id, unit_price_xusd, unit_quantity_minor, amount_xusd,"
+        f" occurred_at, {rated_at}, line_index FROM ({described})")
+    reversals = reversal_rows_sql(
+        run_id, rated_at,
+        f"(SELECT p.* FROM {_PREVIOUS} AS p JOIN {_DAYS} AS d"
+        " ON d.realm = p.realm AND d.source_id = p.source_id)")
+    summary = write_run(conn, run_id=run_id, kind="aggregate", started_at=started_at,
+                        params={"closed_before": now.isoformat(), "days": day_count},
+                        rows_sql=f"{reversals} UNION ALL {new_rows}", events=day_count)
+    for table in (_EVENTS, _DAYS, _LINES, _PREVIOUS, _LATENESS):
+        conn.execute(f"DROP TABLE IF EXISTS {table}")
+    return RunSummary(summary.run_id, summary.kind, summary.events, summary.lines,
+                      time.monotonic() - began)

@@ -1,0 +1,590 @@
+"""The rating plan: a catalog's policies and prices compiled into SQL that rates many events at once.
+
+`RatingPlan.from_catalog(catalog)` reads every realm's policy versions and price rows once;
+`install(conn)` creates two small temp tables on a DuckDB connection (the line catalog and
+the prices of each line), and the SQL builders below then rate and price a relation of events
+in one vectorized query each, never a Python loop. The aggregate engine's days are rated by
+`pipelines.aggregate_days`, which prices its lines with the same builders.
+
+Lines. `lines_sql(source)` gives one or more rows per event of `source`:
+
+    event_id, realm, billing_account_id, occurred_at, line_key, quantity_minor
+
+`line_key` names a row of the line catalog (`LINE_CATALOG`: status, policy_id, policy_version,
+feature_code, meter_code, line_index), so the per-event work carries two integers and the
+strings are joined once, when rows are written.
+
+- The version of a policy applied to an event is the one with the greatest
+  `effective_at <= occurred_at` (CONTRACT.md section 5). A realm's version table is a handful
+  of rows known when the SQL is built, so this as-of join is compiled into a CASE over the
+  versions in descending `effective_at`: no sort of the events.
+- An event matched (type and `where`) by no policy in force gives one `skipped_no_policy` line;
+  by two or more policies, one `quarantined` line per matched policy (nothing priced); by one
+  single-engine policy, one `rated` line per (intent, meter) in document order; by one
+  aggregate-engine policy, one `deferred` line: its usage is rated per account, event type and
+  UTC day by the aggregate run once the day is closed.
+- `line_index` numbers the rows of one event's rating: document order for rated lines, the
+  policy's position in its realm for quarantined lines, 0 otherwise.
+
+Every `{payload: ...}` and `{label: ...}` the policies read is extracted once per event (one
+`json_transform` into a struct of JSON leaves, only for the event types whose policies read
+them), and the compiled expressions read those columns instead; the integer and number
+coercions of a path get a fast path for a JSON integer. The DSL's SQL otherwise parses the
+document and runs its regular expressions again at every reference, which made parsing, not
+rating, the cost of a sweep. These rewrites are exact text replacements of what
+`compile_sql` emits (taken from its own output for a probe policy), so a change there can
+only make this slower, never different; `tests/test_rating_plan.py` holds the result to
+`pipelines.rating.evaluate` and `pipelines.pricing.price_line` on random events.
+
+Prices. `priced_sql(lines)` joins each rated line to the price row of its (realm, meter) in
+force at its `occurred_at` (an interval join), and `amounts_sql(priced)` charges
+`A(cum_after) - A(cum_before)`, with `cum` the running quantity of the (account, price row)
+in `occurred_at` order (tie-break event_id, then line) and `A(x) = unit_price * R(x / unit)`:
+exactly what `pricing.price_line` charges line by line from a carry of 0, block rounding
+included. Lines of a one-unit block need no running sum (A is linear there) and skip the
+window's sort. Integers only: BIGINT while nothing can overflow, HUGEINT beyond; a line with
+no price row costs 0 with price_id NULL.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+import duckdb
+
+from pipelines.catalog import Catalog
+from pipelines.rating import PolicyDoc, compile_intents, compile_match, parse_policy
+
+__all__ = [
+    "LINE_CATALOG",
+    "LINE_PRICES",
+    "PRICE_ROWS",
+    "LineSpec",
+    "PlannedPrice",
+    "PlannedVersion",
+    "RatingPlan",
+    "amounts_sql",
+    "described_sql",
+    "priced_sql",
+    "sql_instant",
+    "sql_text",
+]
+
+LINE_CATALOG = "_rating_line_catalog"
+LINE_PRICES = "_rating_line_prices"
+PRICE_ROWS = "_rating_price_rows"
+
+# The choices of an event that are not a policy version.
+_NO_POLICY = -1
+_SEVERAL = -2
+SKIPPED_LINE = 0  # the line key of `skipped_no_policy`
+
+_LITERAL = re.compile(r"'(?:[^']|'')*'")
+# The two reads `compile_sql` emits for a value at a path of the payload or the labels.
+_JSON_READ = re.compile(r"(json_type|json_extract_string)\((payload|labels), $")
+_FAR_FUTURE = "TIMESTAMPTZ 'infinity'"
+
+
+def sql_text(text: str | None) -> str:
+    """A SQL string literal (NULL for None); NUL travels as chr(0), as DuckDB wants it."""
+    if text is None:
+        return "CAST(NULL AS VARCHAR)"
+    quoted = "'" + text.replace("'", "''") + "'"
+    if "\x00" in text:
+        return "(" + quoted.replace("\x00", "' || chr(0) || '") + ")"
+    return quoted
+
+
+def sql_instant(moment: datetime) -> str:
+    """A TIMESTAMPTZ literal, exact to the microsecond."""
+    utc = moment.astimezone(timezone.utc)
+    return f"TIMESTAMPTZ '{utc.strftime('%Y-%m-%d %H:%M:%S.%f')}+00'"
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedVersion:
+    key: int  # plan-wide number of this (realm, policy, version)
+    realm: str
+    policy_id: str
+    policy_index: int  # position of the policy in its realm
+    version: str
+    effective_at: datetime
+    document: PolicyDoc
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedPrice:
+    key: int  # plan-wide number of this price row: the carry partition with the account
+    realm: str
+    meter_code: str
+    price_id: str
+    unit_price_xusd: int
+    unit_quantity_minor: int
+    rounding: str
+    effective_at: datetime
+    effective_until: datetime | None  # the next row's effective_at for the same meter
+
+
+@dataclass(frozen=True, slots=True)
+class LineSpec:
+    """One row of the line catalog."""
+
+    key: int
+    realm: str | None
+    status: str
+    policy_id: str | None
+    policy_version: str | None
+    feature_code: str | None
+    meter_code: str | None
+    line_index: int
+
+
+# ---- reading the JSON once ------------------------------------------------------------------
+def _strip(text: str, prefix: str, suffix: str) -> str | None:
+    if text.startswith(prefix) and text.endswith(suffix):
+        return text[len(prefix):len(text) - len(suffix)]
+    return None
+
+
+def _renumber(template: str, index: int) -> str:
+    return re.sub(r"\b_([kt])0\b", lambda m: f"_{m.group(1)}{index}", template)
+
+
+def _coercion_templates() -> tuple[str | None, str | None]:
+    """The integer and number coercions `compile_sql` emits for a value read at hoisted path 0
+    (`_k0`/`_t0`), taken from its own output for a probe policy. None when that output no
+    longer has the expected shape: then nothing is substituted (slower, never wrong)."""
+    probe = parse_policy({
+        "dsl_version": "v1", "engine": "single",
+        "match": {"event_type": "probe", "where": {"gt": [{"payload": "a"}, {"payload": "b"}]}},
+        "emit": {"intents": [{"feature_code": "probe", "meters": [
+            {"meter_code": "probe", "quantity_minor": {"payload_int": "a"}}]}]},
+    })
+    reads = _JsonReads()
+    match = reads.hoist(compile_match(probe), ())  # a is path 0, b path 1
+    quantity = reads.hoist(compile_intents(probe)[0].meters[0][1], ())
+    integer = _strip(quantity, "greatest(COALESCE(", ", CAST(0 AS BIGINT)), 0)")
+    compared = _strip(match, "(event_type = 'probe' AND COALESCE(", ", FALSE))")
+    number = None
+    if compared is not None:
+        left, _, right = compared.partition(" > ")
+        number = left if right == _renumber(left, 1) and "_k0" in left else None
+    return (integer if integer and "_t0" in integer else None), number
+
+
+_TEMPLATES: list[tuple[str | None, str | None]] = []
+
+
+def _templates() -> tuple[str | None, str | None]:
+    if not _TEMPLATES:
+        _TEMPLATES.append(_coercion_templates())
+    return _TEMPLATES[0]
+
+
+@dataclass
+class _JsonReads:
+    """The payload and label paths the compiled SQL reads, each extracted once per event, and
+    the event types that read each path (other events skip the work)."""
+
+    paths: dict[tuple[str, str], int] = field(default_factory=dict)
+    readers: dict[int, set[str]] = field(default_factory=dict)
+
+    def rewrite(self, sql: str, event_types: Iterable[str]) -> str:
+        """`sql` reading the hoisted columns: its JSON reads, then its coercions."""
+        return self.coerce(self.hoist(sql, event_types), _templates())
+
+    def hoist(self, sql: str, event_types: Iterable[str]) -> str:
+        """Replace every `json_type(col, path)` / `json_extract_string(col, path)` of `sql`
+        by the column holding its value. String literals are lexed, so text inside one is
+        never touched; a path written with chr(0) is left as it was."""
+        types = set(event_types)
+        out: list[str] = []
+        pos = 0
+        for literal in _LITERAL.finditer(sql):
+            code = sql[pos:literal.start()]
+            read = _JSON_READ.search(code)
+            if read is not None and sql.startswith(")", literal.end()):
+                function, column = read.group(1), read.group(2)
+                index = self.paths.setdefault((column, literal.group(0)), len(self.paths))
+                self.readers.setdefault(index, set()).update(types)
+                out.append(code[:read.start()])
+                out.append(f"_k{index}" if function == "json_type" else f"_t{index}")
+                pos = literal.end() + 1
+            else:
+                out.append(sql[pos:literal.end()])
+                pos = literal.end()
+        out.append(sql[pos:])
+        return "".join(out)
+
+    def coerce(self, sql: str, templates: tuple[str | None, str | None]) -> str:
+        """Give each path's integer and number coercion in `sql` a fast path for a JSON integer,
+        whose text is already the canonical digits both would find with their regexes."""
+        integer, number = templates
+        for index in range(len(self.paths)):
+            for template, cast in ((integer, "BIGINT"), (number, "DOUBLE")):
+                if template is None:
+                    continue
+                text = _renumber(template, index)
+                if text in sql:
+                    # yyjson calls a non-negative integer UBIGINT; at most 18 characters
+                    # always fit BIGINT, beyond that the template saturates as it should.
+                    sql = sql.replace(text, f"(CASE WHEN _k{index} IN ('BIGINT', 'UBIGINT')"
+                                            f" AND length(_t{index}) <= 18"
+                                            f" THEN CAST(_t{index} AS {cast}) ELSE {text} END)")
+        return sql
+
+    def layers(self) -> list[str]:
+        """The select lists that add the hoisted columns, innermost first.
+
+        Paths of object keys only are read with one `json_transform` into a struct of JSON
+        leaves (one parse, the cheapest read measured here); a path with an array index, a
+        key that is also a leaf's parent, or keys equal but for case (struct fields are
+        matched without case) is read with `json_type` / `json_extract_string` over a list."""
+        extract: list[str] = []
+        reads: list[str] = []
+        for column in ("payload", "labels"):
+            mine = sorted((i, path) for (col, path), i in self.paths.items() if col == column)
+            if not mine:
+                continue
+            types: set[str] = set()
+            for i, _ in mine:
+                types |= self.readers.get(i, set())
+            guard = _type_in(types)
+            tree, leaves, listed = _object_tree([(i, _json_path_parts(path)) for i, path in mine])
+            if tree:
+                structure = sql_text(json.dumps(tree, separators=(",", ":")))
+                extract.append(f"CASE WHEN {guard} THEN json_transform({column}, {structure}) END"
+                               f" AS _{column}_tree")
+                for i, keys in leaves.items():
+                    leaf = f"_{column}_tree" + "".join(_field(k) for k in keys)
+                    reads.append(f"json_type({leaf}) AS _k{i}, json_extract_string({leaf}, '$') AS _t{i}")
+            if listed:
+                paths = ", ".join(path for i, path in mine if i in listed)
+                extract.append(
+                    f"CASE WHEN {guard} THEN json_type({column}, [{paths}]) END AS _{column}_kinds,"
+                    f" CASE WHEN {guard} THEN json_extract_string({column}, [{paths}]) END"
+                    f" AS _{column}_texts")
+                for position, i in enumerate(sorted(listed), start=1):
+                    reads.append(f"_{column}_kinds[{position}] AS _k{i},"
+                                 f" _{column}_texts[{position}] AS _t{i}")
+        return [", ".join(part) for part in (extract, reads) if part]
+
+
+_PATH_PART = re.compile(r'\."((?:[^"\\]|\\.)*)"|\[([0-9]+)\]')
+
+
+def _json_path_parts(literal: str) -> list[str | int] | None:
+    """The parts of a JSON path literal as `compile_sql` writes it ('$."a"[0]'), or None."""
+    text = literal[1:-1].replace("''", "'")
+    if not text.startswith("$"):
+        return None
+    parts: list[str | int] = []
+    pos = 1
+    while pos < len(text):
+        found = _PATH_PART.match(text, pos)
+        if found is None:
+            return None
+        if found.group(2) is not None:
+            parts.append(int(found.group(2)))
+        else:
+            parts.append(re.sub(r"\\(.)", r"\1", found.group(1)))
+        pos = found.end()
+    return parts
+
+
+def _object_tree(paths: list[tuple[int, list[str | int] | None]]
+                 ) -> tuple[dict[str, object], dict[int, list[str]], set[int]]:
+    """(json_transform structure, keys of each path read from it, paths read otherwise)."""
+    tree: dict[str, object] = {}
+    leaves: dict[int, list[str]] = {}
+    listed: set[int] = set()
+    for index, parts in sorted(paths, key=lambda item: len(item[1] or ())):
+        if not parts or not all(isinstance(part, str) for part in parts):
+            listed.add(index)
+            continue
+        keys = [str(part) for part in parts]
+        node: dict[str, object] = tree
+        fits = True
+        for depth, key in enumerate(keys):
+            same_but_case = [k for k in node if k.lower() == key.lower() and k != key]
+            child = node.get(key)
+            last = depth == len(keys) - 1
+            if same_but_case or child == "JSON" or (last and child is not None):
+                fits = False
+                break
+            if last:
+                node[key] = "JSON"
+            else:
+                node = node.setdefault(key, {})  # type: ignore[assignment]
+        if fits:
+            leaves[index] = keys
+        else:
+            listed.add(index)
+    return _prune(tree), leaves, listed
+
+
+def _prune(node: dict[str, object]) -> dict[str, object]:
+    """Drop objects left empty by a path that did not fit."""
+    kept: dict[str, object] = {}
+    for key, child in node.items():
+        if child == "JSON":
+            kept[key] = child
+        elif isinstance(child, dict) and (inner := _prune(child)):
+            kept[key] = inner
+    return kept
+
+
+def _field(key: str) -> str:
+    return '."' + key.replace('"', '""') + '"'
+
+
+def _type_in(types: Iterable[str]) -> str:
+    names = sorted(types)
+    if not names:
+        return "FALSE"
+    return f"event_type IN ({', '.join(sql_text(t) for t in names)})"
+
+
+# ---- the plan -------------------------------------------------------------------------------
+class RatingPlan:
+    """The policies and prices of a catalog, ready to be compiled into rating SQL."""
+
+    def __init__(self, versions: Iterable[PlannedVersion], prices: Iterable[PlannedPrice],
+                 params: Mapping[str, object] | None = None) -> None:
+        self.versions = tuple(versions)
+        self.prices = tuple(prices)
+        self.params = params
+        self.lines = self._line_specs()
+
+    @classmethod
+    def from_catalog(cls, catalog: Catalog) -> RatingPlan:
+        versions: list[PlannedVersion] = []
+        prices: list[PlannedPrice] = []
+        for realm_id in sorted(catalog.realms):
+            realm = catalog.realms[realm_id]
+            for policy_index, policy_id in enumerate(sorted(realm.policies)):
+                for version in realm.policies[policy_id].versions:
+                    versions.append(PlannedVersion(
+                        key=len(versions), realm=realm_id, policy_id=policy_id,
+                        policy_index=policy_index, version=version.version,
+                        effective_at=version.effective_at,
+                        document=parse_policy(version.document)))
+            by_meter: dict[str, list] = {}
+            for price in realm.prices:
+                by_meter.setdefault(price.meter, []).append(price)
+            for meter, rows in sorted(by_meter.items()):
+                rows.sort(key=lambda p: p.effective_at)
+                for i, row in enumerate(rows):
+                    until = rows[i + 1].effective_at if i + 1 < len(rows) else None
+                    prices.append(PlannedPrice(
+                        key=len(prices), realm=realm_id, meter_code=meter, price_id=row.price_id,
+                        unit_price_xusd=row.unit_price_xusd,
+                        unit_quantity_minor=row.unit_quantity_minor, rounding=row.rounding,
+                        effective_at=row.effective_at, effective_until=until))
+        return cls(versions, prices)
+
+    # ---- the line catalog -----------------------------------------------------------------
+    def _line_specs(self) -> list[LineSpec]:
+        specs = [LineSpec(SKIPPED_LINE, None, "skipped_no_policy", None, None, None, None, 0)]
+        self._rated: dict[int, list[int]] = {}
+        self._quarantined: dict[int, int] = {}
+        self._deferred: dict[int, int] = {}
+        self._aggregate_lines: dict[tuple[int, int, int], int] = {}
+        for version in self.versions:
+            head = (version.realm, version.policy_id, version.version)
+            self._quarantined[version.key] = len(specs)
+            specs.append(LineSpec(len(specs), head[0], "quarantined", head[1], head[2], None, None,
+                                  version.policy_index))
+            if version.document.engine == "aggregate":
+                self._deferred[version.key] = len(specs)
+                specs.append(LineSpec(len(specs), head[0], "deferred", head[1], head[2], None,
+                                      None, 0))
+            keys: list[int] = []
+            position = 0
+            for intent_index, intent in enumerate(version.document.intents):
+                for meter_index, meter in enumerate(intent.meters):
+                    if version.document.engine == "aggregate":
+                        self._aggregate_lines[(version.key, intent_index, meter_index)] = len(specs)
+                    else:
+                        keys.append(len(specs))
+                    specs.append(LineSpec(len(specs), head[0], "rated", head[1], head[2],
+                                          intent.feature_code, meter.meter_code, position))
+                    position += 1
+            self._rated[version.key] = keys
+        return specs
+
+    def aggregate_line_key(self, version: int, intent_index: int, meter_index: int) -> int:
+        return self._aggregate_lines[(version, intent_index, meter_index)]
+
+    def install(self, conn: duckdb.DuckDBPyConnection) -> None:
+        """Create the line catalog and the prices per line as temp tables on `conn`."""
+        conn.execute(
+            f"CREATE OR REPLACE TEMP TABLE {LINE_CATALOG} (line_key INTEGER, status VARCHAR,"
+            " policy_id VARCHAR, policy_version VARCHAR, feature_code VARCHAR,"
+            " meter_code VARCHAR, line_index INTEGER)")
+        conn.executemany(
+            f"INSERT INTO {LINE_CATALOG} VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [(s.key, s.status, s.policy_id, s.policy_version, s.feature_code, s.meter_code,
+              s.line_index) for s in self.lines])
+        conn.execute(
+            f"CREATE OR REPLACE TEMP TABLE {PRICE_ROWS} (price_key INTEGER, price_id VARCHAR,"
+            " unit_price_xusd BIGINT, unit_quantity_minor BIGINT, rounding VARCHAR)")
+        if self.prices:
+            conn.executemany(
+                f"INSERT INTO {PRICE_ROWS} VALUES (?, ?, ?, ?, ?)",
+                [(p.key, p.price_id, p.unit_price_xusd, p.unit_quantity_minor, p.rounding)
+                 for p in self.prices])
+        conn.execute(
+            f"CREATE OR REPLACE TEMP TABLE {LINE_PRICES} (line_key INTEGER, price_key INTEGER,"
+            " effective_at TIMESTAMPTZ, effective_until TIMESTAMPTZ)")
+        rows = [(spec.key, price.key, price.effective_at, price.effective_until)
+                for spec in self.lines if spec.status == "rated"
+                for price in self.prices
+                if (price.realm, price.meter_code) == (spec.realm, spec.meter_code)]
+        if rows:
+            conn.executemany(f"INSERT INTO {LINE_PRICES} VALUES (?, ?, ?, ?)", rows)
+        # The latest row is in force for ever: an open end would turn the join's range
+        # condition into an OR, which DuckDB can only run as a nested loop.
+        conn.execute(f"UPDATE {LINE_PRICES} SET effective_until = {_FAR_FUTURE}"
+                     " WHERE effective_until IS NULL")
+
+    # ---- policies -------------------------------------------------------------------------
+    def policies(self) -> dict[tuple[str, str], list[PlannedVersion]]:
+        """Versions per (realm, policy), in ascending effective_at."""
+        grouped: dict[tuple[str, str], list[PlannedVersion]] = {}
+        for version in self.versions:
+            grouped.setdefault((version.realm, version.policy_id), []).append(version)
+        for versions in grouped.values():
+            versions.sort(key=lambda v: v.effective_at)
+        return grouped
+
+    def _matched(self, realm: str, versions: list[PlannedVersion], reads: _JsonReads) -> str:
+        """The key of the policy's version in force at occurred_at when it matches, else NULL."""
+        types = {v.document.match.event_type for v in versions}
+        branches = []
+        for version in sorted(versions, key=lambda v: v.effective_at, reverse=True):
+            match = reads.rewrite(compile_match(version.document, self.params),
+                                  [version.document.match.event_type])
+            branches.append(f"WHEN occurred_ts >= {sql_instant(version.effective_at)}"
+                            f" THEN CASE WHEN {match} THEN {version.key} END")
+        return (f"CASE WHEN realm <> {sql_text(realm)} OR NOT ({_type_in(types)}) THEN NULL"
+                f" {' '.join(branches)} END")
+
+    def _line_list(self, version: PlannedVersion, reads: _JsonReads) -> str:
+        if version.document.engine == "aggregate":
+            return f"[{{'k': {self._deferred[version.key]}, 'q': NULL}}]"
+        keys = iter(self._rated[version.key])
+        items = []
+        for intent in compile_intents(version.document, self.params):
+            for _, quantity in intent.meters:
+                sql = reads.rewrite(quantity, [version.document.match.event_type])
+                items.append(f"{{'k': {next(keys)}, 'q': {sql}}}")
+        return "[" + ", ".join(items) + "]"
+
+    def lines_sql(self, source: str) -> str:
+        """Rating lines of the events of `source` (columns event_id, realm, billing_account_id,
+        semantic_kind, event_type, occurred_at TIMESTAMPTZ, subject_ref, payload, labels)."""
+        reads = _JsonReads()
+        policies = self.policies()
+        names = {key: f"_m{i}" for i, key in enumerate(policies)}
+        matched = {key: self._matched(key[0], versions, reads) for key, versions in policies.items()}
+        if names:
+            count = " + ".join(f"CAST({n} IS NOT NULL AS INTEGER)" for n in names.values())
+            choice = (f"CASE WHEN ({count}) = 0 THEN {_NO_POLICY} WHEN ({count}) > 1"
+                      f" THEN {_SEVERAL} ELSE coalesce({', '.join(names.values())}) END")
+        else:
+            choice = str(_NO_POLICY)
+        cases = [f"WHEN {_NO_POLICY} THEN [{{'k': {SKIPPED_LINE}, 'q': NULL}}]"]
+        if names:
+            quarantine_keys = " ".join(f"WHEN {key} THEN {line}"
+                                       for key, line in self._quarantined.items())
+            cases.append(
+                f"WHEN {_SEVERAL} THEN list_transform(list_filter([{', '.join(names.values())}],"
+                f" v -> v IS NOT NULL), v -> {{'k': CASE v {quarantine_keys} END, 'q': NULL}})")
+        cases.extend(f"WHEN {v.key} THEN {self._line_list(v, reads)}" for v in self.versions)
+        line_list = ("CAST(CASE _choice " + " ".join(cases) + " END"
+                     " AS STRUCT(k INTEGER, q BIGINT)[])")
+
+        layer = (
+            "SELECT event_id, realm, billing_account_id, semantic_kind, event_type,"
+            " occurred_at AS occurred_ts,"
+            " strftime(occurred_at AT TIME ZONE 'UTC', '%Y-%m-%dT%H:%M:%S.%fZ') AS occurred_at,"
+            " subject_ref, CAST(payload AS VARCHAR) AS payload, CAST(labels AS VARCHAR) AS labels"
+            f" FROM {source}"
+        )
+        for select in reads.layers():
+            layer = f"SELECT *, {select} FROM ({layer})"
+        if names:
+            columns = ", ".join(f"{matched[key]} AS {name}" for key, name in names.items())
+            layer = f"SELECT *, {columns} FROM ({layer})"
+        layer = f"SELECT *, {choice} AS _choice FROM ({layer})"
+        unnested = (f"SELECT event_id, realm, billing_account_id, occurred_ts,"
+                    f" unnest({line_list}) AS _line FROM ({layer})")
+        return (
+            "SELECT event_id, realm, billing_account_id, occurred_ts AS occurred_at,"
+            " _line.k AS line_key, _line.q AS quantity_minor"
+            f" FROM ({unnested})"
+        )
+
+
+# ---- prices ---------------------------------------------------------------------------------
+def priced_sql(lines: str) -> str:
+    """The lines of relation `lines` (columns line_key, occurred_at, quantity_minor, and any
+    others, which are kept) plus `price_key`: the price row of their line in force at
+    occurred_at (NULL without one). `amounts_sql` brings the row's terms."""
+    return (
+        "SELECT l.*, p.price_key"
+        f" FROM {lines} AS l LEFT JOIN {LINE_PRICES} AS p ON p.line_key = l.line_key"
+        " AND l.occurred_at >= p.effective_at AND l.occurred_at < p.effective_until"
+    )
+
+
+def amounts_sql(priced: str, order: str) -> str:
+    """`priced` (a relation from `priced_sql`, with billing_account_id) plus the price row's
+    price_id, unit_price_xusd, unit_quantity_minor, and amount_xusd.
+
+    `order` lists the columns that order lines inside an (account, price row) after
+    occurred_at, e.g. "event_id, line_key"."""
+    priced = (f"(SELECT l.*, r.price_id, r.unit_price_xusd, r.unit_quantity_minor, r.rounding"
+              f" FROM {priced} AS l LEFT JOIN {PRICE_ROWS} AS r ON r.price_key = l.price_key)")
+    after = ("sum(quantity_minor) OVER (PARTITION BY billing_account_id, price_key"
+             f" ORDER BY occurred_at, {order} ROWS UNBOUNDED PRECEDING)")
+    # R(x / u) = (a * x + b) // d with (a, b, d) = (1, 0, u) floor, (1, u - 1, u) ceil and
+    # (2, u, 2u) nearest. Below 2^61 everything fits BIGINT, whose division is far cheaper
+    # than HUGEINT's; beyond, the same formula runs in HUGEINT.
+    a = "CASE rounding WHEN 'nearest' THEN 2 ELSE 1 END"
+    b = ("CASE rounding WHEN 'floor' THEN 0 WHEN 'ceil' THEN unit_quantity_minor - 1"
+         " ELSE unit_quantity_minor END")
+    d = f"{a} * CAST(unit_quantity_minor AS HUGEINT)"
+    small = ("CAST(unit_price_xusd AS HUGEINT) * ((_a * CAST(_after AS BIGINT) + _b) // _d"
+             " - (_a * CAST(_after - quantity_minor AS BIGINT) + _b) // _d)")
+    big = (f"CAST(unit_price_xusd AS HUGEINT) * ((_a * _after + _b) // ({d})"
+           f" - (_a * (_after - quantity_minor) + _b) // ({d}))")
+    running = (
+        "SELECT * EXCLUDE (rounding, _after, _a, _b, _d),"
+        f" CASE WHEN _d IS NOT NULL AND _after < {2 ** 61} THEN {small} ELSE {big} END AS _amount"
+        f" FROM (SELECT *, {after} AS _after, {a} AS _a, {b} AS _b,"
+        f" CASE WHEN unit_quantity_minor < {2 ** 61} THEN CAST({d} AS BIGINT) END AS _d"
+        f" FROM {priced} WHERE unit_quantity_minor > 1)"
+    )
+    linear = (
+        "SELECT * EXCLUDE (rounding),"
+        " CASE WHEN quantity_minor IS NULL THEN NULL WHEN price_key IS NULL THEN 0"
+        " ELSE CAST(unit_price_xusd AS HUGEINT) * quantity_minor END AS _amount"
+        f" FROM {priced} WHERE unit_quantity_minor IS NULL OR unit_quantity_minor <= 1"
+    )
+    return ("SELECT * EXCLUDE (_amount), CAST(_amount AS BIGINT) AS amount_xusd"
+            f" FROM ({running} UNION ALL BY NAME {linear})")
+
+
+def described_sql(lines: str) -> str:
+    """`lines` (with line_key) plus the line catalog's status, policy_id, policy_version,
+    feature_code, meter_code and line_index."""
+    return (
+        "SELECT l.*, c.status, c.policy_id, c.policy_version, c.feature_code, c.meter_code,"
+        f" c.line_index FROM {lines} AS l JOIN {LINE_CATALOG} AS c ON c.line_key = l.line_key"
+    )

@@ -1,0 +1,191 @@
+"""Rating runs in the lake: what a run is, how it is written, and which ratings are current.
+
+A rating run (sweep, rerate or aggregate) writes its rows to `lake.ratings` and its one
+`lake.rating_runs` row (status `completed`) in ONE lake transaction, so a crash leaves all
+of a run or none of it, and no reader ever sees half a run. Runs are serialized by an
+exclusive lock on a file next to the lake (`RatingLock`), and a run decides what to rate only
+after taking it, so two sweeps started together never rate an event twice: the second finds
+the first one's rows.
+
+Current values (CONTRACT.md section 5: "the latest run per event and line"):
+
+- For each (realm, source_id) rated by a completed batch run (sweep, rerate, aggregate), the
+  rows of the latest such run (by finished_at, then run_id), reversal rows excluded. A rerate
+  appends reversals of the previous lines and the new lines under a new run; the old run stays.
+- An event that no batch run has rated yet is current under its inline rating (run `inline`,
+  provisional: priced without carry), which the sweep then supersedes.
+- Gate commit lines (source `gate_commit`) are final when written; they are always current.
+
+Because reversal rows negate exactly the lines they replace, the sum of every row of the
+completed batch runs equals the sum of the current ones: both views agree.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from types import TracebackType
+
+import duckdb
+
+__all__ = [
+    "BATCH_KINDS",
+    "RATING_COLUMNS",
+    "RatingLock",
+    "RunSummary",
+    "current_ratings_sql",
+    "new_run_id",
+    "rating_id_sql",
+    "reversal_rows_sql",
+    "write_run",
+]
+
+BATCH_KINDS = ("sweep", "rerate", "aggregate")
+
+RATING_COLUMNS = (
+    "rating_id, run_id, source, source_id, event_id, realm, billing_account_id, status, "
+    "policy_id, policy_version, feature_code, meter_code, quantity_minor, price_id, "
+    "unit_price_xusd, unit_quantity_minor, amount_xusd, occurred_at, rated_at, line_index"
+)
+
+_BATCH_KIND_LIST = ", ".join(f"'{kind}'" for kind in BATCH_KINDS)
+
+
+@dataclass(frozen=True, slots=True)
+class RunSummary:
+    run_id: str
+    kind: str
+    events: int  # events (or aggregate days) rated
+    lines: int  # rows written, reversals included
+    seconds: float
+
+
+def new_run_id(kind: str, now: datetime) -> str:
+    """`<kind>-<UTC time to the microsecond>-<tag>`: sortable, unique across processes."""
+    return f"{kind}-{now.astimezone(timezone.utc).strftime('%Y%m%dT%H%M%S%fZ')}-{secrets.token_hex(6)}"
+
+
+def rating_id_sql(run_id: str, *, reversal: bool = False) -> str:
+    """The rating_id of a row of run `run_id`: its source, its line and the run's random tag
+    (48 bits), short because every row stores one."""
+    tag = run_id.rsplit("-", 1)[-1]
+    return f"concat(source_id, ':', line_index, ':{tag}{':reversal' if reversal else ''}')"
+
+
+def reversal_rows_sql(run_id: str, rated_at: str, current: str) -> str:
+    """Rows that negate the `rated` rows of relation `current` (lake.ratings columns) under
+    run `run_id`: same line, quantity and amount negated, status `reversal`."""
+    return (
+        f"SELECT {rating_id_sql(run_id, reversal=True)}, '{run_id}', source, source_id, event_id,"
+        " realm, billing_account_id, 'reversal', policy_id, policy_version, feature_code,"
+        " meter_code, -quantity_minor, price_id, unit_price_xusd, unit_quantity_minor,"
+        f" -amount_xusd, occurred_at, {rated_at}, line_index FROM {current} WHERE status = 'rated'"
+    )
+
+
+class RatingLock:
+    """An exclusive lock (flock) on a file, held while a rating run decides and writes.
+
+    flock is released by the kernel when the holder dies, so a crashed run never leaves the
+    lock behind. `timeout` None waits for as long as it takes."""
+
+    def __init__(self, path: Path, timeout: float | None = None) -> None:
+        self.path = path
+        self.timeout = timeout
+        self._fd: int | None = None
+
+    def __enter__(self) -> RatingLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if deadline is None else fcntl.LOCK_NB))
+                break
+            except BlockingIOError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    os.close(fd)
+                    raise TimeoutError(f"another rating run holds {self.path}") from None
+                time.sleep(0.05)
+        self._fd = fd
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def batch_runs_sql() -> str:
+    """Completed batch runs with their order: later runs supersede earlier ones."""
+    return (
+        "SELECT run_id, kind, finished_at, params FROM lake.rating_runs"
+        f" WHERE status = 'completed' AND kind IN ({_BATCH_KIND_LIST})"
+    )
+
+
+def current_batch_sql(where: str = "TRUE") -> str:
+    """The current rows of every (realm, source_id) a completed batch run rated, reversals
+    excluded, with `run_finished_at`. `where` filters lake.ratings (alias r) first."""
+    return (
+        "SELECT * EXCLUDE (_latest) FROM ("
+        " SELECT r.*, b.finished_at AS run_finished_at,"
+        " max((b.finished_at, r.run_id)) OVER (PARTITION BY r.realm, r.source_id) AS _latest"
+        f" FROM lake.ratings AS r JOIN ({batch_runs_sql()}) AS b ON b.run_id = r.run_id"
+        f" WHERE r.source = 'event' AND ({where}))"
+        " WHERE _latest = (run_finished_at, run_id) AND status <> 'reversal'"
+    )
+
+
+def current_ratings_sql() -> str:
+    """Every current rating row: batch ratings, inline ratings of events no batch run has
+    rated yet, and gate commit lines."""
+    batch = current_batch_sql()
+    rated_by_batch = (
+        f"SELECT DISTINCT r.realm, r.source_id FROM lake.ratings AS r"
+        f" JOIN ({batch_runs_sql()}) AS b ON b.run_id = r.run_id WHERE r.source = 'event'"
+    )
+    inline = (
+        f"SELECT r.* FROM lake.ratings AS r WHERE r.source = 'event'"
+        f" AND r.run_id NOT IN (SELECT run_id FROM lake.rating_runs WHERE kind IN ({_BATCH_KIND_LIST}))"
+        f" AND NOT EXISTS (SELECT 1 FROM ({rated_by_batch}) AS x"
+        "  WHERE x.realm = r.realm AND x.source_id = r.source_id)"
+    )
+    return (
+        f"SELECT {RATING_COLUMNS} FROM ({batch})"
+        f" UNION ALL SELECT {RATING_COLUMNS} FROM ({inline})"
+        f" UNION ALL SELECT {RATING_COLUMNS} FROM lake.ratings WHERE source = 'gate_commit'"
+    )
+
+
+def write_run(conn: duckdb.DuckDBPyConnection, *, run_id: str, kind: str, started_at: datetime,
+              params: Mapping[str, object], rows_sql: str, events: int) -> RunSummary:
+    """Append the rows of `rows_sql` (columns of RATING_COLUMNS, in order) to lake.ratings and
+    the run's completed lake.rating_runs row, in one lake transaction."""
+    began = time.monotonic()
+    conn.execute("BEGIN")
+    try:
+        inserted = conn.execute(f"INSERT INTO lake.ratings ({RATING_COLUMNS}) {rows_sql}").fetchone()
+        count = int(inserted[0]) if inserted else 0
+        finished_at = datetime.now(timezone.utc)
+        conn.execute(
+            "INSERT INTO lake.rating_runs VALUES (?, ?, 'completed', ?, ?, ?, ?, ?)",
+            [run_id, kind, started_at, finished_at, json.dumps(dict(params), sort_keys=True),
+             events, count])
+        conn.execute("COMMIT")
+    except BaseException:
+        try:
+            conn.execute("ROLLBACK")
+        except duckdb.Error:
+            pass  # a failed COMMIT has already ended the transaction
+        raise
+    return RunSummary(run_id, kind, events, count, time.monotonic() - began)

@@ -1,0 +1,173 @@
+"""The sweep: rate every event of the lake that no batch run has rated yet.
+
+`sweep(conn, plan, lock)` runs over a DuckDB connection with the lake attached as `lake`:
+
+1. It takes the rating lock (`rating_runs.RatingLock`) and only then looks for work, so a
+   second sweep started at the same moment waits and then finds nothing left to do.
+2. Candidates are the events exported after the last completed sweep's watermark (the
+   greatest `export_id` it had seen; the exporter writes export ids in commit order) plus any
+   event without an export id. An event is pending when no completed sweep, rerate or
+   aggregate run holds a row for it; inline ratings do not count, they are provisional.
+3. Pending events are split into chunks of about `chunk_events` by a hash of the billing
+   account. One scan rates and prices every pending event (`pipelines.rating_plan`) and
+   writes its lines, one partition per chunk, to a scratch folder; then each chunk gets the
+   remainder carry and its amounts and becomes one run in one lake transaction
+   (`rating_runs.write_run`): its rows and its rating_runs row land together or not at all.
+   A crash loses at most the chunk in flight, which the next sweep rates again; no event is
+   ever half rated. Memory stays flat however many events wait, and the events are read once.
+4. All of an account's pending events fall in one chunk, so the carry of a run (per account,
+   meter and price row, in occurred_at order, from 0) is exactly the carry one run over
+   everything would give.
+
+Every swept event gets at least one row: `rated` lines, or `skipped_no_policy`,
+`quarantined` or `deferred` (its aggregate policy rates it per day, see `aggregate_days`).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import duckdb
+
+from pipelines.rating_plan import RatingPlan, amounts_sql, described_sql, priced_sql, sql_instant
+from pipelines.rating_runs import (
+    RatingLock,
+    RunSummary,
+    batch_runs_sql,
+    new_run_id,
+    rating_id_sql,
+    write_run,
+)
+
+__all__ = ["CHUNK_EVENTS", "Progress", "event_rows_sql", "plan_chunks", "sweep", "sweep_locked"]
+
+CHUNK_EVENTS = 1_000_000
+BUCKETS = 1024  # account hash buckets; chunks are runs of consecutive buckets
+
+Progress = Callable[[int, int], None]  # (events done, events in all)
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    first_bucket: int
+    last_bucket: int
+    events: int  # candidates in these buckets
+
+    def where(self, alias: str) -> str:
+        return (f"hash({alias}.billing_account_id) % {BUCKETS}"
+                f" BETWEEN {self.first_bucket} AND {self.last_bucket}")
+
+
+def plan_chunks(conn: duckdb.DuckDBPyConnection, candidates: str, chunk_events: int) -> list[Chunk]:
+    """Consecutive account buckets grouped into chunks of about `chunk_events` candidates
+    (a single bucket bigger than that is a chunk of its own)."""
+    counts = conn.execute(
+        f"SELECT hash(e.billing_account_id) % {BUCKETS} AS bucket, count(*) FROM lake.events AS e"
+        f" WHERE {candidates} GROUP BY bucket ORDER BY bucket").fetchall()
+    chunks: list[Chunk] = []
+    current: Chunk | None = None
+    for bucket, count in counts:
+        if current is not None and current.events + count > chunk_events:
+            chunks.append(current)
+            current = None
+        first = bucket if current is None else current.first_bucket
+        current = Chunk(first, bucket, count + (0 if current is None else current.events))
+    if current is not None:
+        chunks.append(current)
+    return chunks
+
+
+def event_rows_sql(run_id: str, rated_at: datetime, priced: str) -> str:
+    """lake.ratings rows (RATING_COLUMNS order) of the priced event lines of `priced`."""
+    described = described_sql(f"({amounts_sql(priced, 'event_id, line_key')})")
+    return (
+        f"SELECT {rating_id_sql(run_id)}, '{run_id}', 'event', source_id, event_id, realm,"
+        " billing_account_id, status, policy_id, policy_version, feature_code, meter_code,"
+        " quantity_minor, price_id, unit_price_xusd, unit_quantity_minor, amount_xusd,"
+        f" occurred_at, {sql_instant(rated_at)}, line_index"
+        f" FROM (SELECT *, CAST(event_id AS VARCHAR) AS source_id FROM ({described}))"
+    )
+
+
+def _watermark(conn: duckdb.DuckDBPyConnection) -> int:
+    row = conn.execute(
+        "SELECT coalesce(max(CAST(json_extract_string(params, '$.through_export_id') AS BIGINT)), -1)"
+        f" FROM ({batch_runs_sql()}) WHERE kind = 'sweep'").fetchone()
+    return int(row[0]) if row else -1
+
+
+def sweep(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, lock: RatingLock, *,
+          chunk_events: int = CHUNK_EVENTS, scratch: Path | None = None,
+          progress: Progress | None = None) -> list[RunSummary]:
+    """Rate every pending event; one run per chunk. Returns the runs written."""
+    with lock:
+        return sweep_locked(conn, plan, chunk_events=chunk_events, scratch=scratch,
+                            progress=progress)
+
+
+def sweep_locked(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, *,
+                 chunk_events: int = CHUNK_EVENTS, scratch: Path | None = None,
+                 progress: Progress | None = None) -> list[RunSummary]:
+    """`sweep` for a caller that already holds the rating lock. `scratch` is a folder for
+    the lines between the two passes (a temporary folder when None)."""
+    plan.install(conn)
+    watermark = _watermark(conn)
+    row = conn.execute("SELECT coalesce(max(export_id), -1) FROM lake.events").fetchone()
+    through = max(watermark, int(row[0]) if row else -1)
+    candidates = f"(e.export_id IS NULL OR e.export_id > {watermark})"
+    chunks = plan_chunks(conn, candidates, chunk_events)
+    if not chunks:
+        return []
+    if scratch is not None:
+        scratch.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix="sweep-", dir=scratch))
+    try:
+        # Pass 1, one scan: every pending event rated and priced, its lines written to the
+        # scratch folder in one partition per chunk.
+        chunk_of = " ".join(f"WHEN _bucket <= {c.last_bucket} THEN {i}" for i, c in enumerate(chunks))
+        rated = (f"SELECT r.event_id FROM lake.ratings AS r JOIN ({batch_runs_sql()}) AS b"
+                 " ON b.run_id = r.run_id WHERE r.source = 'event' AND r.event_id IS NOT NULL")
+        pending = (f"(SELECT e.* FROM lake.events AS e ANTI JOIN ({rated}) AS r"
+                   f" ON r.event_id = e.event_id WHERE {candidates})")
+        priced = priced_sql("(" + plan.lines_sql(pending) + ")")
+        conn.execute(
+            f"COPY (SELECT * EXCLUDE (_bucket), CASE {chunk_of} END AS chunk FROM"
+            f" (SELECT *, hash(billing_account_id) % {BUCKETS} AS _bucket FROM ({priced})))"
+            f" TO '{folder}' (FORMAT parquet, PARTITION_BY (chunk))")
+        # Pass 2, per chunk: the carry, the amounts and the run's one lake transaction.
+        total = sum(c.events for c in chunks)
+        runs: list[RunSummary] = []
+        done = 0
+        for index, chunk in enumerate(chunks):
+            last = index == len(chunks) - 1
+            files = folder / f"chunk={index}"
+            lines = (f"read_parquet('{files}/*.parquet')" if files.is_dir() else
+                     f"(SELECT * FROM ({priced}) WHERE FALSE)")
+            started_at = datetime.now(timezone.utc)
+            began = time.monotonic()
+            count = conn.execute(f"SELECT count(DISTINCT event_id) FROM {lines}").fetchone()
+            events = int(count[0]) if count else 0
+            if events or last:
+                run_id = new_run_id("sweep", started_at)
+                params: dict[str, object] = {"buckets": [chunk.first_bucket, chunk.last_bucket]}
+                if last:
+                    # Every candidate up to this export id has now been looked at by a sweep.
+                    params["through_export_id"] = through
+                summary = write_run(conn, run_id=run_id, kind="sweep", started_at=started_at,
+                                    params=params, events=events,
+                                    rows_sql=event_rows_sql(run_id, started_at, lines))
+                runs.append(RunSummary(summary.run_id, summary.kind, summary.events,
+                                       summary.lines, time.monotonic() - began))
+            shutil.rmtree(files, ignore_errors=True)
+            done += chunk.events
+            if progress is not None:
+                progress(done, total)
+        return runs
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,139 @@
+"""Events into a lake the way the service puts them there: validated, stored in an operational
+file by the outbox, then shipped by the lake exporter. For tests of the rating runs that need
+no HTTP server."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from api.events.ingest import to_record
+from pipelines.catalog import load_catalog
+from pipelines.events import EventIn, ValidEvent, validate_event
+from pipelines.rating_plan import RatingPlan
+from warehouse.catalog_store import CatalogStore
+from warehouse.export import LakeExporter
+from warehouse.operational import open_operational
+from warehouse.outbox import EventOutbox
+from warehouse.writer import Transaction
+
+FAR_FUTURE = datetime(2100, 1, 1, tzinfo=timezone.utc)
+
+
+def event(account: str, event_type: str, occurred_at: str, payload: dict[str, Any],
+          *, realm: str = "acme", subject: str | None = None) -> ValidEvent:
+    body = {"semantic_kind": "activity", "event_type": event_type, "occurred_at": occurred_at,
+            "subject_ref": subject, "payload": payload}
+    item = msgspec.json.decode(json.dumps(body).encode(), type=EventIn)
+    valid = validate_event(item, realm=realm, billing_account_id=account, now=FAR_FUTURE,
+                           max_future_skew_seconds=300)
+    assert isinstance(valid, ValidEvent), valid
+    return valid
+
+
+class LakeFeed:
+    """An operational file and its exporter, writing into the lake of `data_dir`."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.conn = open_operational(data_dir / "operational.duckdb")
+        self.outbox = EventOutbox(self.conn)
+        self.exporter = LakeExporter(data_dir)
+
+    def add(self, *events: ValidEvent, realm: str = "acme", path: str = "batch") -> list[str]:
+        """Store the events (one group) and export them; their event ids, in order."""
+        self.conn.execute("BEGIN")
+        tx = Transaction(self.conn, datetime.now(timezone.utc))
+        for item in events:
+            self.outbox.stage(tx, realm, to_record(item), path)
+        tx.flush()
+        self.conn.execute("COMMIT")
+        self.exporter.export_once(self.conn)
+        return [item.event_id for item in events]
+
+    def close(self) -> None:
+        self.exporter.close()
+        self.conn.close()
+
+
+def apply_catalog(data_dir: Path, text: str) -> RatingPlan:
+    """Store `text` as the applied catalog of `data_dir`; its rating plan."""
+    catalog = load_catalog(text)
+    CatalogStore(data_dir / "catalog").apply(text, catalog.fingerprint)
+    return RatingPlan.from_catalog(catalog)
+
+
+def catalog_toml(*, policies: str, prices: str, lateness_seconds: int = 7200) -> str:
+    """A one-realm catalog (realm acme, accounts acct_a and acct_b) with these policies and
+    prices (TOML fragments) over the meters tokens.in, tokens.out, calls and seats."""
+    return f"""
+[realms.acme.settings]
+lateness_allowance_seconds = {lateness_seconds}
+
+[realms.acme.accounts.acct_a]
+funding = "postpaid"
+principals = ["p-a"]
+[realms.acme.accounts.acct_b]
+funding = "postpaid"
+principals = ["p-b"]
+
+[realms.acme.meters."tokens.in"]
+unit = "token"
+[realms.acme.meters."tokens.out"]
+unit = "token"
+[realms.acme.meters."calls"]
+unit = "call"
+[realms.acme.meters."seats"]
+unit = "seat"
+
+[realms.acme.features."llm.chat"]
+primary_meter = "tokens.in"
+meters = ["tokens.in", "tokens.out"]
+[realms.acme.features."api.search"]
+primary_meter = "calls"
+[realms.acme.features."team.seats"]
+primary_meter = "seats"
+{prices}
+{policies}
+"""
+
+
+def price(meter: str, unit_price: int, unit_quantity: int, effective_at: str,
+          rounding: str = "floor") -> str:
+    return f"""
+[[realms.acme.prices]]
+meter = "{meter}"
+unit_price_xusd = "{unit_price}"
+unit_quantity_minor = "{unit_quantity}"
+rounding = "{rounding}"
+effective_at = "{effective_at}"
+"""
+
+
+def policy(policy_id: str, *versions: tuple[str, str, dict[str, Any]]) -> str:
+    """A policy with versions (version, effective_at, DSL document)."""
+    text = f"\n[[realms.acme.policies]]\nid = \"{policy_id}\"\n"
+    for version, effective_at, document in versions:
+        text += (f"\n[[realms.acme.policies.versions]]\nversion = \"{version}\"\n"
+                 f"effective_at = \"{effective_at}\"\ndsl_json = '''{json.dumps(document)}'''\n")
+    return text
+
+
+def single(event_type: str, feature: str, meters: dict[str, Any],
+           where: dict[str, Any] | None = None) -> dict[str, Any]:
+    match: dict[str, Any] = {"event_type": event_type}
+    if where is not None:
+        match["where"] = where
+    return {"dsl_version": "v1", "engine": "single", "match": match,
+            "emit": {"intents": [{"feature_code": feature, "meters": [
+                {"meter_code": code, "quantity_minor": quantity} for code, quantity in meters.items()]}]}}
+
+
+def aggregate(event_type: str, feature: str, meter: str, agg: dict[str, Any]) -> dict[str, Any]:
+    return {"dsl_version": "v1", "engine": "aggregate", "match": {"event_type": event_type},
+            "emit": {"intents": [{"feature_code": feature, "meters": [
+                {"meter_code": meter, "quantity_minor": {"agg": agg}}]}]}}

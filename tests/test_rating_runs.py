@@ -1,0 +1,323 @@
+"""Rating runs over the lake (CONTRACT.md section 5): the sweep, re-rating and aggregate days,
+with events put in the lake by the real outbox and exporter and amounts worked out by hand."""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pytest
+
+from pipelines.aggregate_days import close_aggregate_days
+from pipelines.rating_plan import RatingPlan
+from pipelines.rating_runs import RatingLock, current_ratings_sql
+from pipelines.rerate import rerate
+from pipelines.sweep import sweep
+from tests.lake_events import (
+    LakeFeed,
+    aggregate,
+    apply_catalog,
+    catalog_toml,
+    event,
+    policy,
+    price,
+    single,
+)
+from warehouse.lake import connect_lake
+
+TOKENS_IN = {"payload_int": "usage.input_tokens", "default": 0}
+TOKENS_OUT = {"payload_int": "usage.output_tokens", "default": 0}
+PRICES = (price("tokens.in", 150, 1000, "2026-01-01T00:00:00Z")
+          + price("tokens.out", 600, 1000, "2026-01-01T00:00:00Z", rounding="ceil")
+          + price("calls", 2000, 1, "2026-01-01T00:00:00Z")
+          + price("seats", 1_000_000, 1, "2026-01-01T00:00:00Z"))
+LLM_V1 = single("llm.completion", "llm.chat", {"tokens.in": TOKENS_IN, "tokens.out": TOKENS_OUT})
+# Version 2 bills output tokens only, so which version rated an event shows in its lines.
+LLM_V2 = single("llm.completion", "llm.chat", {"tokens.out": TOKENS_OUT})
+SEATS = aggregate("seats.snapshot", "team.seats", "seats", {"op": "max", "of": {"payload": "seats"}})
+
+
+def llm(account: str, occurred_at: str, tokens_in: int, tokens_out: int = 0) -> Any:
+    return event(account, "llm.completion", occurred_at,
+                 {"usage": {"input_tokens": tokens_in, "output_tokens": tokens_out}},
+                 subject=f"{occurred_at}/{tokens_in}/{tokens_out}")
+
+
+@pytest.fixture()
+def lake(tmp_path: Path) -> Iterator[tuple[Path, LakeFeed, duckdb.DuckDBPyConnection]]:
+    feed = LakeFeed(tmp_path)
+    conn = connect_lake(tmp_path)
+    yield tmp_path, feed, conn
+    conn.close()
+    feed.close()
+
+
+def lock(data_dir: Path) -> RatingLock:
+    return RatingLock(data_dir / "lake" / "rating.lock")
+
+
+def rows(conn: duckdb.DuckDBPyConnection, sql: str,
+         params: list[Any] | None = None) -> list[tuple[Any, ...]]:
+    return conn.execute(sql, params or []).fetchall()
+
+
+def current(conn: duckdb.DuckDBPyConnection, where: str = "TRUE") -> list[tuple[Any, ...]]:
+    """(source_id, status, policy_id, policy_version, meter_code, quantity, amount) of the
+    current event ratings, ordered."""
+    return rows(conn, "SELECT source_id, status, policy_id, policy_version, meter_code,"
+                " quantity_minor, amount_xusd"
+                f" FROM ({current_ratings_sql()}) WHERE source = 'event' AND {where} ORDER BY ALL")
+
+
+def test_a_late_event_is_rated_under_the_version_of_its_business_time(lake: Any) -> None:
+    data_dir, feed, conn = lake
+    plan = apply_catalog(data_dir, catalog_toml(
+        policies=policy("llm", ("v1", "2026-01-01T00:00:00Z", LLM_V1),
+                        ("v2", "2026-11-10T00:00:00Z", LLM_V2)),
+        prices=PRICES))
+    [recent] = feed.add(llm("acct_a", "2026-11-15T09:00:00Z", 1000, 1000))
+    assert [r.events for r in sweep(conn, plan, lock(data_dir))] == [1]
+    # Arrives after v2 took effect (and after a sweep), but happened under v1.
+    [late] = feed.add(llm("acct_a", "2026-11-05T09:00:00Z", 2500, 10))
+    assert [r.events for r in sweep(conn, plan, lock(data_dir))] == [1]
+
+    assert current(conn) == sorted([
+        # v1: 2500 tokens in at 150 per 1000 (floor) = 300; 10 out at 600 per 1000 (ceil) = 600
+        (late, "rated", "llm", "v1", "tokens.in", 2500, 300),
+        (late, "rated", "llm", "v1", "tokens.out", 10, 600),
+        # v2: output tokens only
+        (recent, "rated", "llm", "v2", "tokens.out", 1000, 600),
+    ])
+
+
+def test_the_carry_runs_in_business_time_order_within_a_run(lake: Any) -> None:
+    data_dir, feed, conn = lake
+    plan = apply_catalog(data_dir, catalog_toml(
+        policies=policy("llm", ("v1", "2026-01-01T00:00:00Z", LLM_V1)), prices=PRICES))
+    # Exported out of business-time order; carried per (account, meter, price row).
+    second = llm("acct_a", "2026-11-02T00:00:00Z", 600)
+    first = llm("acct_a", "2026-11-01T00:00:00Z", 500)
+    other = llm("acct_b", "2026-11-01T12:00:00Z", 999)
+    third = llm("acct_a", "2026-11-03T00:00:00Z", 900)
+    feed.add(second, first)
+    feed.add(other, third)
+    sweep(conn, plan, lock(data_dir))
+    amounts = dict(rows(conn, f"SELECT source_id, amount_xusd FROM ({current_ratings_sql()})"
+                               " WHERE meter_code = 'tokens.in'"))
+    # acct_a: 500 -> A(500)=0; 500+600=1100 -> 150; 1100+900=2000 -> 300-150 = 150.
+    assert amounts[first.event_id] == 0
+    assert amounts[second.event_id] == 150
+    assert amounts[third.event_id] == 150
+    assert amounts[other.event_id] == 0  # acct_b carries on its own
+    # Many small lines cost what one line of the total costs: A(2000) = 300.
+    assert sum(amounts[e.event_id] for e in (first, second, third)) == 300
+
+
+def test_every_swept_event_gets_a_row_and_none_is_dropped(lake: Any) -> None:
+    data_dir, feed, conn = lake
+    plan = apply_catalog(data_dir, catalog_toml(
+        policies=(policy("llm", ("v1", "2026-01-01T00:00:00Z", LLM_V1))
+                  + policy("big-llm", ("v1", "2026-01-01T00:00:00Z", single(
+                      "llm.completion", "llm.chat", {"tokens.in": TOKENS_IN},
+                      where={"gt": [{"payload": "usage.input_tokens"}, 5000]})))
+                  + policy("seats", ("v1", "2026-01-01T00:00:00Z", SEATS))
+                  + policy("late-calls", ("v1", "2027-01-01T00:00:00Z", single(
+                      "api.call", "api.search", {"calls": {"const": 1}})))),
+        prices=PRICES))
+    small, big, seats, unknown, early_call = feed.add(
+        llm("acct_a", "2026-11-01T00:00:00Z", 100),
+        llm("acct_a", "2026-11-01T00:00:01Z", 9000),
+        event("acct_a", "seats.snapshot", "2026-11-01T00:00:00Z", {"seats": 3}),
+        event("acct_a", "something.else", "2026-11-01T00:00:00Z", {}),
+        # its only policy takes effect later: nothing is in force at its business time
+        event("acct_a", "api.call", "2026-11-01T00:00:00Z", {}))
+    [run] = sweep(conn, plan, lock(data_dir))
+    assert run.events == 5
+    assert current(conn) == sorted([
+        (small, "rated", "llm", "v1", "tokens.in", 100, 0),
+        (small, "rated", "llm", "v1", "tokens.out", 0, 0),
+        (big, "quarantined", "big-llm", "v1", None, None, None),
+        (big, "quarantined", "llm", "v1", None, None, None),
+        (seats, "deferred", "seats", "v1", None, None, None),
+        (unknown, "skipped_no_policy", None, None, None, None, None),
+        (early_call, "skipped_no_policy", None, None, None, None, None),
+    ])
+    assert sweep(conn, plan, lock(data_dir)) == []  # nothing left to rate
+
+
+def test_a_meter_without_a_price_costs_nothing(lake: Any) -> None:
+    data_dir, feed, conn = lake
+    plan = apply_catalog(data_dir, catalog_toml(
+        policies=policy("llm", ("v1", "2026-01-01T00:00:00Z", LLM_V1)),
+        prices=price("tokens.in", 150, 1000, "2026-01-01T00:00:00Z")))
+    [one] = feed.add(llm("acct_a", "2026-11-01T00:00:00Z", 4000, 70))
+    sweep(conn, plan, lock(data_dir))
+    assert rows(conn, "SELECT meter_code, price_id, unit_price_xusd, amount_xusd FROM lake.ratings"
+                " ORDER BY line_index") == [
+        ("tokens.in", "tokens.in@2026-01-01T00:00:00Z", 150, 600),
+        ("tokens.out", None, None, 0)]
+    assert one
+
+
+def _sweep_in_a_process(data_dir: str, catalog_text: str, start: Any, results: Any) -> None:
+    from pipelines.catalog import load_catalog
+
+    conn = connect_lake(Path(data_dir))
+    start.wait()
+    runs = sweep(conn, RatingPlan.from_catalog(load_catalog(catalog_text)),
+                 RatingLock(Path(data_dir) / "lake" / "rating.lock"), chunk_events=7)
+    results.put(sum(r.events for r in runs))
+    conn.close()
+
+
+def test_two_sweeps_at_once_rate_each_event_exactly_once(lake: Any) -> None:
+    data_dir, feed, conn = lake
+    text = catalog_toml(policies=policy("llm", ("v1", "2026-01-01T00:00:00Z", LLM_V1)),
+                        prices=PRICES)
+    apply_catalog(data_dir, text)
+    accounts = ["acct_a", "acct_b"]
+    ids = feed.add(*(llm(accounts[i % 2], f"2026-11-01T00:{i // 60:02d}:{i % 60:02d}Z", 100 + i)
+                     for i in range(40)))
+    context = multiprocessing.get_context("spawn")
+    start, results = context.Event(), context.Queue()
+    workers = [context.Process(target=_sweep_in_a_process, args=(str(data_dir), text, start, results))
+               for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    start.set()
+    for worker in workers:
+        worker.join(120)
+        assert worker.exitcode == 0
+    # One found all 40 pending; the other waited for the lock, then found none.
+    assert sorted(results.get(timeout=5) for _ in workers) == [0, 40]
+    per_event = rows(conn, "SELECT source_id, count(DISTINCT run_id), count(*) FROM lake.ratings"
+                     " GROUP BY source_id")
+    assert len(per_event) == 40 and {eid for eid, _, _ in per_event} == set(ids)
+    assert all(runs == 1 and lines == 2 for _, runs, lines in per_event)
+
+
+def test_a_rerate_appends_reversals_and_new_lines_and_keeps_the_old_run(lake: Any) -> None:
+    data_dir, feed, conn = lake
+    policies = policy("llm", ("v1", "2026-01-01T00:00:00Z", LLM_V1))
+    plan = apply_catalog(data_dir, catalog_toml(policies=policies, prices=PRICES))
+    inside, outside = feed.add(llm("acct_a", "2026-11-05T00:00:00Z", 3000),
+                               llm("acct_a", "2026-12-05T00:00:00Z", 3000))
+    [first] = sweep(conn, plan, lock(data_dir))
+    # A new price row for input tokens, in force from before the events.
+    plan = apply_catalog(data_dir, catalog_toml(policies=policies, prices=PRICES + price(
+        "tokens.in", 200, 1000, "2026-10-01T00:00:00Z")))
+    [run] = rerate(conn, plan, lock(data_dir),
+                   occurred_from=datetime(2026, 11, 1, tzinfo=timezone.utc),
+                   occurred_to=datetime(2026, 12, 1, tzinfo=timezone.utc))
+    assert run.events == 1
+    assert rows(conn, f"SELECT status, meter_code, quantity_minor, amount_xusd, price_id FROM lake.ratings"
+                f" WHERE run_id = '{run.run_id}' ORDER BY status, meter_code") == [
+        ("rated", "tokens.in", 3000, 600, "tokens.in@2026-10-01T00:00:00Z"),
+        ("rated", "tokens.out", 0, 0, "tokens.out@2026-01-01T00:00:00Z"),
+        ("reversal", "tokens.in", -3000, -450, "tokens.in@2026-01-01T00:00:00Z"),
+        ("reversal", "tokens.out", 0, 0, "tokens.out@2026-01-01T00:00:00Z")]
+    assert current(conn, "meter_code = 'tokens.in'") == [
+        (inside, "rated", "llm", "v1", "tokens.in", 3000, 600),
+        (outside, "rated", "llm", "v1", "tokens.in", 3000, 450)]  # out of range: untouched
+    assert rows(conn, "SELECT count(*) FROM lake.ratings WHERE run_id = ?", [first.run_id]) == [(4,)]
+    # Summing every row of the completed runs gives the current amounts too.
+    assert rows(conn, "SELECT sum(amount_xusd) FROM lake.ratings WHERE source_id = ?", [inside]) == [(600,)]
+
+
+def test_a_rerate_can_be_limited_to_accounts_and_policies(lake: Any) -> None:
+    data_dir, feed, conn = lake
+    policies = (policy("llm", ("v1", "2026-01-01T00:00:00Z", LLM_V1))
+                + policy("calls", ("v1", "2026-01-01T00:00:00Z", single(
+                    "api.call", "api.search", {"calls": {"const": 1}}))))
+    plan = apply_catalog(data_dir, catalog_toml(policies=policies, prices=PRICES))
+    a_llm, b_llm, a_call = feed.add(llm("acct_a", "2026-11-05T00:00:00Z", 1000),
+                                    llm("acct_b", "2026-11-05T00:00:00Z", 1000),
+                                    event("acct_a", "api.call", "2026-11-05T00:00:00Z", {}))
+    sweep(conn, plan, lock(data_dir))
+    [run] = rerate(conn, plan, lock(data_dir), occurred_from=datetime(2026, 11, 1, tzinfo=timezone.utc),
+                   occurred_to=datetime(2026, 12, 1, tzinfo=timezone.utc),
+                   accounts=["acct_a"], policy_ids=["llm"])
+    assert {r[0] for r in rows(conn, f"SELECT source_id FROM lake.ratings WHERE run_id = '{run.run_id}'")} == {a_llm}
+    assert b_llm and a_call
+
+
+def test_an_aggregate_day_closes_after_its_allowance_and_a_late_event_rerates_it(lake: Any) -> None:
+    data_dir, feed, conn = lake
+    plan = apply_catalog(data_dir, catalog_toml(
+        policies=policy("seats", ("v1", "2026-01-01T00:00:00Z", SEATS)), prices=PRICES,
+        lateness_seconds=3600))
+    lateness = {"acme": 3600}
+    for seats, at in ((3, "2026-11-01T08:00:00Z"), (5, "2026-11-01T12:00:00Z"), (4, "2026-11-01T23:00:00Z")):
+        feed.add(event("acct_a", "seats.snapshot", at, {"seats": seats}))
+    feed.add(event("acct_b", "seats.snapshot", "2026-11-01T10:00:00Z", {"seats": 2}))
+    day = "2026-11-01"
+
+    almost = datetime(2026, 11, 2, 0, 59, 59, tzinfo=timezone.utc)
+    runs = close_aggregate_days(conn, plan, lock(data_dir), lateness=lateness, now=almost)
+    assert [r.kind for r in runs] == ["sweep"]  # swept, but the day is still open
+
+    closed = datetime(2026, 11, 2, 1, 0, 0, tzinfo=timezone.utc)
+    [run] = close_aggregate_days(conn, plan, lock(data_dir), lateness=lateness, now=closed)
+    assert (run.kind, run.events) == ("aggregate", 2)
+    aggregate_rows = ("SELECT source_id, status, meter_code, quantity_minor, amount_xusd, occurred_at"
+                      " FROM lake.ratings WHERE run_id = ? ORDER BY ALL")
+    start = datetime(2026, 11, 1, tzinfo=timezone.utc)
+    assert rows(conn, aggregate_rows, [run.run_id]) == [
+        (f"acct_a/seats.snapshot/{day}", "rated", "seats", 5, 5_000_000, start),
+        (f"acct_b/seats.snapshot/{day}", "rated", "seats", 2, 2_000_000, start)]
+    assert close_aggregate_days(conn, plan, lock(data_dir), lateness=lateness, now=closed) == []
+
+    # A late snapshot for the closed day: swept, then the day of acct_a alone is re-rated.
+    feed.add(event("acct_a", "seats.snapshot", "2026-11-01T20:00:00Z", {"seats": 7}))
+    sweep_run, again = close_aggregate_days(conn, plan, lock(data_dir), lateness=lateness,
+                                            now=datetime(2026, 11, 3, tzinfo=timezone.utc))
+    assert (sweep_run.kind, sweep_run.events, again.kind, again.events) == ("sweep", 1, "aggregate", 1)
+    assert rows(conn, aggregate_rows, [again.run_id]) == [
+        (f"acct_a/seats.snapshot/{day}", "rated", "seats", 7, 7_000_000, start),
+        (f"acct_a/seats.snapshot/{day}", "reversal", "seats", -5, -5_000_000, start)]
+    assert rows(conn, f"SELECT source_id, quantity_minor, amount_xusd FROM ({current_ratings_sql()})"
+                " WHERE status = 'rated' ORDER BY ALL") == [
+        (f"acct_a/seats.snapshot/{day}", 7, 7_000_000),
+        (f"acct_b/seats.snapshot/{day}", 2, 2_000_000)]
+
+
+class _CrashBeforeSecondRunCommits:
+    """A connection that fails the way a killed process would, inside the second run's lake
+    transaction, after its rating rows were inserted."""
+
+    def __init__(self, conn: duckdb.DuckDBPyConnection) -> None:
+        self._conn = conn
+        self._runs = 0
+
+    def execute(self, sql: str, *args: Any) -> Any:
+        if sql.startswith("INSERT INTO lake.rating_runs"):
+            self._runs += 1
+            if self._runs == 2:
+                raise RuntimeError("killed mid-run")
+        return self._conn.execute(sql, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+def test_a_run_that_dies_mid_way_leaves_nothing_and_the_next_sweep_resumes(lake: Any) -> None:
+    data_dir, feed, conn = lake
+    plan = apply_catalog(data_dir, catalog_toml(
+        policies=policy("llm", ("v1", "2026-01-01T00:00:00Z", LLM_V1)), prices=PRICES))
+    ids = feed.add(*(llm(account, f"2026-11-01T00:00:{i:02d}Z", 100 + i)
+                     for i in range(10) for account in ("acct_a", "acct_b")))
+    # One chunk per account: the first run commits, the second dies before its commit.
+    with pytest.raises(RuntimeError, match="killed"):
+        sweep(_CrashBeforeSecondRunCommits(conn), plan, lock(data_dir), chunk_events=10)
+    [(runs, rated)] = rows(conn, "SELECT count(DISTINCT run_id), count(DISTINCT source_id) FROM lake.ratings")
+    assert (runs, rated) == (1, 10)
+    assert rows(conn, "SELECT count(*) FROM lake.rating_runs") == [(1,)]
+
+    [resumed] = sweep(conn, plan, lock(data_dir), chunk_events=10)
+    assert resumed.events == 10
+    per_event = dict(rows(conn, "SELECT source_id, count(DISTINCT run_id) FROM lake.ratings GROUP BY ALL"))
+    assert sorted(per_event) == sorted(ids) and set(per_event.values()) == {1}
