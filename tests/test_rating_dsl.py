@@ -961,3 +961,16 @@ def test_sql_and_python_agree_on_random_aggregate_groups(
     params: dict[str, Any],
 ) -> None:
     aggregate_both(duck, parse_policy(doc), batch, params)
+
+
+def test_a_boolean_read_as_an_integer_is_a_plain_int() -> None:
+    from pipelines.rating import EventFacts, evaluate, parse_policy
+
+    policy = parse_policy({"dsl_version": "v1", "engine": "single", "match": {"event_type": "t"},
+                           "emit": {"intents": [{"feature_code": "f", "meters": [
+                               {"meter_code": "m", "quantity_minor": {"payload_int": "a"}}]}]}})
+    event = EventFacts("acct", "activity", "t", "2026-11-01T00:00:00.000000Z", None, {"a": True}, {})
+    intents = evaluate(policy, event)
+    assert intents is not None
+    quantity = intents[0].meters[0][1]
+    assert quantity == 1 and type(quantity) is int

@@ -214,7 +214,8 @@ def _number(value: object) -> float | None:
 
 
 def _clamp(number: int) -> int:
-    return max(INT64_MIN, min(INT64_MAX, number))
+    # int(): a JSON boolean reaches here as bool, and a quantity must be a plain int
+    return max(INT64_MIN, min(INT64_MAX, int(number)))
 
 
 def _integer(value: object) -> int | None:
