@@ -4,7 +4,7 @@ views of a stored event that the endpoints return."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, ClassVar
 
 import msgspec
@@ -65,9 +65,11 @@ class IngestHandler:
         return outcome
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
 def _instant(us: int) -> str:
-    return format_instant(datetime.fromtimestamp(us / 1_000_000, tz=timezone.utc).replace(
-        microsecond=us % 1_000_000))
+    return format_instant(_EPOCH + timedelta(microseconds=us))
 
 
 def event_view(event: ValidEvent, stored: Stored) -> dict[str, Any]:

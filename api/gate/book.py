@@ -18,7 +18,6 @@ from __future__ import annotations
 import bisect
 import hashlib
 import heapq
-import logging
 import secrets
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -37,10 +36,7 @@ from warehouse.writer import Transaction
 
 __all__ = ["GateBook", "token_digest"]
 
-log = logging.getLogger("tollgate.gate")
 _encode = msgspec.json.encode
-_decode = msgspec.json.decode
-_sorted = msgspec.json.Encoder(order="sorted").encode
 IDEMPOTENCY_TTL = timedelta(hours=24)
 ENDED_LEASE_MEMORY = timedelta(days=7)
 LOW_HEADROOM = 0.20
