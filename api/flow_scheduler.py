@@ -32,7 +32,8 @@ class FlowScheduler:
         if os.environ.get("TOLLGATE_SCHEDULES", "on").lower() in ("off", "0", "false", "no"):
             return cls(None)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "flows.scheduler", "--data-dir", str(settings.data_dir)],
+            [sys.executable, "-m", "flows.scheduler", "--data-dir", str(settings.data_dir),
+             "--parent-pid", str(os.getpid())],
             start_new_session=True,
         )
         return cls(proc)

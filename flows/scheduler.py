@@ -6,7 +6,8 @@ hour, compact-lake every day. The first run of each comes one interval after sta
 service starts as fast as without it. Runs go to the Prefect API of PREFECT_API_URL when set,
 else to a temporary local one that Prefect starts on the first run.
 
-It dies with the service: on Linux the kernel sends it SIGTERM when its parent dies, and
+It dies with the service: on Linux the kernel sends it SIGTERM when its parent dies (and it
+ends at once if the parent died before it could ask for that), and
 SIGTERM ends it through `sys.exit`, so Prefect's exit hooks stop the temporary API server.
 A flow that fails is logged and tried again at its next time.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import logging
+import os
 import signal
 import sys
 import time
@@ -37,12 +39,16 @@ SCHEDULE: tuple[tuple[str, float], ...] = (
 )
 
 
-def _end_with_parent() -> None:
+def _end_with_parent(parent_pid: int | None) -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass  # not Linux: the service stops it itself
+    # A parent that died before prctl ran sends no signal: this process has been handed to
+    # another parent by then, so compare.
+    if parent_pid is not None and os.getppid() != parent_pid:
+        sys.exit(0)
 
 
 def _exit(signum: int, frame: FrameType | None) -> None:
@@ -67,8 +73,10 @@ def run_schedule(data_dir: Path, schedule: Sequence[tuple[str, float]] = SCHEDUL
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flows.scheduler")
     parser.add_argument("--data-dir", required=True)
+    parser.add_argument("--parent-pid", type=int, default=None,
+                        help="end at once if this process is no longer the parent")
     args = parser.parse_args(argv)
-    _end_with_parent()
+    _end_with_parent(args.parent_pid)
     signal.signal(signal.SIGTERM, _exit)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
     run_schedule(Path(args.data_dir).resolve())
