@@ -1,7 +1,8 @@
 """The writer process: `python -m api.writer_host --fd N --data-dir D`.
 
 Started by the service with one end of a socket pair. It opens the operational file (the
-only process that does), rebuilds in-memory state from it, says it is ready, and then runs
+only process that does), applies what its journal holds beyond it, rebuilds in-memory state
+from it, says it is ready, and then runs
 the group-commit loop of `warehouse.writer` with the handlers of every write op. It exits
 when the service's end closes, and, on Linux, when the service dies (PR_SET_PDEATHSIG), so
 a killed service never leaves the file locked.
@@ -28,6 +29,7 @@ from api.gate.ops import AuthorizeOp, CancelOp, CommitOp, RecordOutcomeOp
 from pipelines.catalog import Catalog, CatalogInvalid, load_catalog
 from warehouse.catalog_store import CatalogStore
 from warehouse.export import run_exporter_thread
+from warehouse.journal import JournaledStore
 from warehouse.operational import open_operational, schema_version
 from warehouse.outbox import EventOutbox
 from warehouse.writer import run_writer
@@ -93,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     data_dir = Path(args.data_dir)
     sock = socket.socket(fileno=args.fd)
     conn = open_operational(data_dir / "operational.duckdb")
+    store = JournaledStore(conn, data_dir / "operational.journal")
+    store.recover()
     catalog = CatalogView(data_dir)
     outbox = EventOutbox(conn)
     ingest = IngestHandler(outbox)
@@ -106,7 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         RecordOutcomeOp: _Adapter(gate.record_outcome),
     }
 
-    def rebuild(c: Any) -> None:
+    def rebuild(s: JournaledStore) -> None:
+        # Every acknowledged group is in the journal: apply them, then read the file. If
+        # even that fails, the process ends rather than decide on state it cannot trust;
+        # the next start applies the journal.
+        c = s.reading()
         outbox.reload(c)
         gate.rebuild(c)
 
@@ -125,12 +133,12 @@ def main(argv: list[str] | None = None) -> int:
             except Exception:
                 log.exception("inline rating of %d events failed", len(items))
 
-    def after_group(c: Any) -> None:
+    def after_group(s: JournaledStore) -> None:
         # Rating in its own transaction after every group cost a second commit per group and
         # cut single-event throughput by a fifth; the writer's tick (every 0.25 s) rates the
         # accumulated events in one go, and a large backlog is rated at once.
         if len(ingest.accepted_singles) >= 1000:
-            rate_singles(c)
+            rate_singles(s.reading())
 
     ticks = 0
 
@@ -156,11 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     # never hold up a group.
     stop = threading.Event()
     exporter = run_exporter_thread(conn, data_dir, stop)
-    run_writer(conn, sock, decode_request, handlers, on_rollback=rebuild, tick=tick,
+    run_writer(store, sock, decode_request, handlers, on_rollback=rebuild, tick=tick,
                after_group=after_group, tick_seconds=0.25)
-    rate_singles(conn)  # what the last tick did not reach
+    rate_singles(store.reading())  # what the last tick did not reach
     stop.set()
     exporter.join(timeout=5)
+    store.close()
     conn.close()
     return 0
 

@@ -105,6 +105,7 @@ def raw_limit(bodies: list[bytes]) -> float:
         for ev in events:
             outbox.stage(tx, "acme", to_record(ev), "batch")
         tx.flush()
+        tx.commit()
         conn.execute("COMMIT")
         n += len(events)
     return n / (time.perf_counter() - t0)

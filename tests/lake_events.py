@@ -51,6 +51,7 @@ class LakeFeed:
         for item in events:
             self.outbox.stage(tx, realm, to_record(item), path)
         tx.flush()
+        tx.commit()
         self.conn.execute("COMMIT")
         self.exporter.export_once(self.conn)
         return [item.event_id for item in events]

@@ -111,6 +111,7 @@ def test_label_values_are_typed_into_exactly_one_slot(tmp_path) -> None:
     tx = Transaction(conn, NOW)
     outbox.stage(tx, "acme", to_record(ok), "single")
     tx.flush()
+    tx.commit()
     conn.execute("COMMIT")
     rows = conn.execute("SELECT key, slot, value_text, value_uuid, value_bool, value_number FROM event_labels").fetchall()
     assert len(rows) == len(LABELS)

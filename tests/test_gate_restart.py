@@ -86,6 +86,7 @@ def test_split_commits_are_charged_exactly_one_commit_of_the_total(meter: str, p
             done = book.commit(tx, CommitOp("acme", "gate-p", "acct_gate", token, "gate.rounding", qty,
                                             [MeterLine(meter, qty)], {}, b"{}", None))()
             tx.flush()
+            tx.commit()
             conn.execute("COMMIT")
             charged += int(done.data["amount_xusd"])
         if total_run is parts:
@@ -110,6 +111,7 @@ def test_expired_leases_release_their_holds_in_the_book() -> None:
     conn.execute("BEGIN")
     ok = book.authorize(tx, AuthorizeOp("acme", "expiry-p", "acct_gate_expiry", None, "gate.short", 10, {}, None))()
     tx.flush()
+    tx.commit()
     conn.execute("COMMIT")
     assert ok.status == 200
     assert book.holds.funding[("acme", "acct_gate_expiry")] == 1000

@@ -61,6 +61,7 @@ class OperationalFile:
             self.events += 1
             self.outbox.stage(tx, "acme", to_record(valid(self.events, **extra)), "single")
         tx.flush()
+        tx.commit()
         self.conn.execute("COMMIT")
 
     def add_commit(self, lines: int) -> str:

@@ -142,6 +142,7 @@ def build_lake(data_dir: Path) -> dict[str, str]:
         ids[spec[0]] = event.event_id
         outbox.stage(tx, "acme", to_record(event), "single")
     tx.flush()
+    tx.commit()
     conn.execute("COMMIT")
     occurred = {spec[0]: spec[3] for spec in EVENTS}
     accounts = {spec[0]: spec[1] for spec in EVENTS}

@@ -1,7 +1,9 @@
 """The operational DuckDB file: its schema, its versioned migrations, and opening it.
 
 Only the service process opens this file read-write (DuckDB allows one writer process), and
-inside the service only the group-commit writer thread uses the connection. It holds the event
+inside the service only the group-commit writer uses the connection. Writes reach it through
+the journal of `warehouse.journal`: a file opened while a journal is left over (after a
+`kill -9`) lacks the newest groups until the writer starts and applies them. It holds the event
 outbox with its dedupe key and labels, and the gate's state (leases, ledger, counters,
 idempotency records, remainder buckets). All times are stored as UTC TIMESTAMPTZ.
 """
@@ -177,6 +179,13 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
             export_id   BIGINT NOT NULL,
             exported_at TIMESTAMPTZ NOT NULL
         );
+        """,
+    ),
+    (
+        3,
+        """
+        -- The last journaled group applied to this file (warehouse/journal.py).
+        CREATE TABLE journal_state (applied_seq BIGINT NOT NULL);
         """,
     ),
 )

@@ -16,7 +16,9 @@ import duckdb
 import msgspec
 import pyarrow as pa
 
-__all__ = ["EventOutbox", "EventRecord", "Stored", "event_key"]
+from warehouse.journal import register_table
+
+__all__ = ["EventOutbox", "EventRecord", "Stored", "event_key", "write_events"]
 
 
 class EventRecord(msgspec.Struct, array_like=True, frozen=True):
@@ -113,40 +115,35 @@ class EventOutbox:
                 fresh.append(item)
         now_us = int(tx.now.timestamp() * 1_000_000)
         if fresh:
-            self._insert(tx.conn, fresh, now_us)
-            for _, event, _ in fresh:
+            seq = self.last_seq
+            for realm, event, path in fresh:
+                seq += 1
+                tx.stage("events", (seq, event.event_id, realm, event.billing_account_id,
+                                    event.request_hash, event.semantic_kind, event.event_type,
+                                    event.occurred_at_us, event.subject_ref, event.payload_json,
+                                    event.labels_json, now_us, path))
                 results[event.event_id] = Stored(True, now_us, event.labels_json)
+            self.last_seq = seq
         if look_up:
             marks = ", ".join("?::UUID" for _ in look_up)
-            for eid, labels, created_us in tx.conn.execute(
+            for eid, labels, created_us in tx.read().execute(
                 "SELECT event_id::VARCHAR, labels, epoch_us(created_at) FROM events "
                 f"WHERE event_id IN ({marks})", look_up,
             ).fetchall():
                 results[eid] = Stored(False, created_us, labels.encode())
 
-    def _insert(self, conn: duckdb.DuckDBPyConnection, items: list[tuple[str, EventRecord, str]],
-                now_us: int) -> None:
-        n = len(items)
-        seq0 = self.last_seq
-        events = [ev for _, ev, _ in items]
-        batch = pa.Table.from_arrays([  # noqa: F841 (read by DuckDB below)
-            pa.array(range(seq0 + 1, seq0 + n + 1), pa.int64()),
-            pa.array([ev.event_id for ev in events], pa.string()),
-            pa.array([realm for realm, _, _ in items], pa.string()),
-            pa.array([ev.billing_account_id for ev in events], pa.string()),
-            pa.array([ev.request_hash for ev in events], pa.string()),
-            pa.array([ev.semantic_kind for ev in events], pa.string()),
-            pa.array([ev.event_type for ev in events], pa.string()),
-            pa.array([ev.occurred_at_us for ev in events], pa.timestamp("us", tz="UTC")),
-            pa.array([ev.subject_ref for ev in events], pa.string()),
-            pa.array([ev.payload_json for ev in events], pa.binary()),
-            pa.array([ev.labels_json for ev in events], pa.binary()),
-            pa.array([now_us] * n, pa.timestamp("us", tz="UTC")),
-            pa.array([path for _, _, path in items], pa.string()),
-        ], schema=_EVENT_SCHEMA)
-        conn.execute(
-            "INSERT INTO events SELECT seq, event_id::UUID, realm, billing_account_id, request_hash, "
-            "semantic_kind, event_type, occurred_at, subject_ref, decode(payload), decode(labels), "
-            "created_at, ingest_path FROM batch"
-        )
-        self.last_seq = seq0 + n
+
+def write_events(conn: duckdb.DuckDBPyConnection, rows: list[tuple[Any, ...]]) -> None:
+    """Insert staged event rows (the journal's form) into the events table: one Arrow insert."""
+    columns = list(zip(*rows, strict=True))
+    batch = pa.Table.from_arrays(  # noqa: F841 (read by DuckDB below)
+        [pa.array(column, field.type) for column, field in zip(columns, _EVENT_SCHEMA, strict=True)],
+        schema=_EVENT_SCHEMA)
+    conn.execute(
+        "INSERT INTO events SELECT seq, event_id::UUID, realm, billing_account_id, request_hash, "
+        "semantic_kind, event_type, occurred_at, subject_ref, decode(payload), decode(labels), "
+        "created_at, ingest_path FROM batch"
+    )
+
+
+register_table("events", write_events)

@@ -11,8 +11,10 @@ took 3.8 ms alone and 19.7 ms while another Python thread was busy, because each
 DuckDB waits for the GIL that the HTTP loop holds. In its own process the writer never waits.
 
 An op's handler must either stage all of its writes or raise before staging any, so one bad
-op fails alone. If the flush or the commit fails, every op of the group fails with status
-503 and `on_rollback` rebuilds the in-memory state from the file.
+op fails alone. A group commits by appending its rows to the journal of `warehouse.journal`
+and syncing it; the rows reach the DuckDB file in larger transactions a little later. If the
+flush or the commit fails, every op of the group fails with status 503 and `on_rollback`
+rebuilds the in-memory state from the file.
 
 Wire: frames of a 4-byte big-endian length and a msgpack body. Request `[id, op]`, reply
 `[id, ok, value]` where value is the result, or on failure `{status, code, message, ...}`.
@@ -32,7 +34,8 @@ from typing import Any, Protocol
 
 import duckdb
 import msgspec
-import pyarrow as pa
+
+from warehouse.journal import DirectStore, JournaledStore
 
 __all__ = ["Handler", "RemoteFailure", "Transaction", "WriterClient", "run_writer"]
 
@@ -50,33 +53,36 @@ class RemoteFailure(Exception):
 
 
 class Transaction:
-    """What the ops of one group share: the connection, the group's clock reading, staged
-    rows, and flush steps that run once after every op has applied."""
+    """What the ops of one group share: the store, the group's clock reading, staged rows,
+    and flush steps that run once after every op has applied."""
 
-    __slots__ = ("conn", "now", "_rows", "_flushers", "scratch")
+    __slots__ = ("store", "now", "rows", "_flushers", "scratch")
 
-    def __init__(self, conn: duckdb.DuckDBPyConnection, now: datetime) -> None:
-        self.conn = conn
+    def __init__(self, store: JournaledStore | DirectStore | duckdb.DuckDBPyConnection,
+                 now: datetime) -> None:
+        self.store = DirectStore(store) if isinstance(store, duckdb.DuckDBPyConnection) else store
         self.now = now
-        self._rows: dict[str, list[tuple[Any, ...]]] = {}
+        self.rows: dict[str, list[tuple[Any, ...]]] = {}
         self._flushers: dict[str, Callable[[Transaction], None]] = {}
         self.scratch: dict[str, Any] = {}
 
     def stage(self, table: str, row: tuple[Any, ...]) -> None:
-        self._rows.setdefault(table, []).append(row)
+        self.rows.setdefault(table, []).append(row)
 
     def on_flush(self, name: str, flusher: Callable[[Transaction], None]) -> None:
         self._flushers.setdefault(name, flusher)
 
+    def read(self) -> duckdb.DuckDBPyConnection:
+        """The operational file with every earlier group in it, for a read."""
+        return self.store.reading()
+
     def flush(self) -> None:
         for flusher in self._flushers.values():
             flusher(self)
-        for table, rows in self._rows.items():
-            # One Arrow insert per table: executemany runs a statement per row.
-            columns = list(zip(*rows, strict=False))
-            staged = pa.Table.from_arrays(  # noqa: F841 (read by DuckDB below)
-                [pa.array(column) for column in columns], names=[f"c{i}" for i in range(len(columns))])
-            self.conn.execute(f"INSERT INTO {table} SELECT * FROM staged")
+
+    def commit(self) -> None:
+        """Make the staged rows durable (the journal), or write them (a direct store)."""
+        self.store.commit(self.rows)
 
 
 class Handler(Protocol):
@@ -110,21 +116,22 @@ def _frame(payload: bytes) -> bytes:
 
 
 def run_writer(
-    conn: duckdb.DuckDBPyConnection,
+    store: JournaledStore,
     sock: socket.socket,
     decode_request: Callable[[bytes], tuple[int, Any]],
     handlers: dict[type, Handler],
     *,
-    on_rollback: Callable[[duckdb.DuckDBPyConnection], None],
+    on_rollback: Callable[[JournaledStore], None],
     tick: Callable[[duckdb.DuckDBPyConnection], None] | None = None,
     tick_seconds: float = 0.5,
-    after_group: Callable[[duckdb.DuckDBPyConnection], None] | None = None,
+    after_group: Callable[[JournaledStore], None] | None = None,
     clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
 ) -> None:
     """The writer process's loop; returns when the service closes its end of the socket.
 
-    `tick` runs every `tick_seconds` between groups (lease expiry and other timed work);
-    `after_group` runs after each group's replies are sent."""
+    `tick` runs every `tick_seconds` between groups (lease expiry and other timed work), on
+    the connection after every durable group has been applied to the file; `after_group`
+    runs after each group's replies are sent."""
     buf = bytearray()
     next_tick = time.monotonic() + tick_seconds
     sock.setblocking(False)
@@ -142,7 +149,7 @@ def run_writer(
                 pass
             requests = [decode_request(frame) for frame in _frames(buf)]
             if requests:
-                replies = _run_group(conn, requests, handlers, on_rollback, clock())
+                replies = _run_group(store, requests, handlers, on_rollback, clock())
                 sock.setblocking(True)
                 sock.sendall(b"".join(_frame(_encode(r)) for r in replies))
                 sock.setblocking(False)
@@ -150,25 +157,27 @@ def run_writer(
                     # Work that follows a durable group and must never change its replies
                     # (such as rating newly accepted single events inline).
                     try:
-                        after_group(conn)
+                        after_group(store)
                     except Exception:
                         log.exception("after-group step failed")
+                if store.pending_rows >= store.MAX_PENDING_ROWS:
+                    store.materialize()
         if tick is not None and time.monotonic() >= next_tick:
             try:
-                tick(conn)
+                store.materialize()
+                tick(store.conn)
             except Exception:
                 log.exception("writer tick failed")
             next_tick = time.monotonic() + tick_seconds
 
 
-def _run_group(conn: duckdb.DuckDBPyConnection, requests: list[tuple[int, Any]],
+def _run_group(store: JournaledStore, requests: list[tuple[int, Any]],
                handlers: dict[type, Handler],
-               on_rollback: Callable[[duckdb.DuckDBPyConnection], None],
+               on_rollback: Callable[[JournaledStore], None],
                now: datetime) -> list[tuple[int, bool, Any]]:
     replies: list[tuple[int, bool, Any]] = []
     pending: list[tuple[int, Callable[[], Any]]] = []
-    tx = Transaction(conn, now)
-    conn.execute("BEGIN")
+    tx = Transaction(store, now)
     try:
         for rid, op in requests:
             try:
@@ -181,14 +190,10 @@ def _run_group(conn: duckdb.DuckDBPyConnection, requests: list[tuple[int, Any]],
                 replies.append((rid, True, outcome()))
             except Exception as exc:
                 replies.append((rid, False, _failure(exc)))
-        conn.execute("COMMIT")
+        tx.commit()
     except Exception as exc:
         log.exception("group commit failed; %d ops rolled back", len(pending))
-        try:
-            conn.execute("ROLLBACK")
-        except duckdb.Error:
-            pass
-        on_rollback(conn)
+        on_rollback(store)
         failure = {"status": 503, "code": "STORAGE.UNAVAILABLE",
                    "message": f"the write could not be committed; retry ({exc.__class__.__name__})"}
         return [(rid, False, failure) for rid, _ in requests]
