@@ -113,7 +113,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _banner(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, loop="uvloop",
                             http="httptools", lifespan="on", log_level="warning",
-                            access_log=False, timeout_keep_alive=30)
+                            access_log=False, timeout_keep_alive=30, proxy_headers=False)
     uvicorn.Server(config).run()
     return 0
 

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from api.auth import sign_headers  # noqa: E402
-from bench.loopback import Connection, percentile, start_server  # noqa: E402
+from bench.loopback import Connection, percentile, run, start_server  # noqa: E402
 
 
 def bench_catalog(clients: int) -> Path:
@@ -99,11 +99,11 @@ def main() -> None:
     print(f"nproc={os.cpu_count()}  python={sys.version.split()[0]}")
     server = start_server(bench_catalog(args.clients))
     try:
-        asyncio.run(run_pairs(server, [f"solo-{i}" for i in range(args.clients)], 500))  # warm up
-        hello = asyncio.run(run_hello(server, args.clients, 2 * args.pairs))
+        run(run_pairs(server, [f"solo-{i}" for i in range(args.clients)], 500))  # warm up
+        hello = run(run_hello(server, args.clients, 2 * args.pairs))
         for name, principals in (("uncontended", [f"solo-{i}" for i in range(args.clients)]),
                                  ("one account", [f"shared-{i}" for i in range(args.clients)])):
-            elapsed, auth, com = asyncio.run(run_pairs(server, principals, args.pairs))
+            elapsed, auth, com = run(run_pairs(server, principals, args.pairs))
             print(f"{name:12}: {args.pairs / elapsed:8,.0f} pairs/s  ({args.clients} clients)  "
                   f"authorize p50 {percentile(auth, .5) * 1000:.1f} ms p99 {percentile(auth, .99) * 1000:.1f} ms  "
                   f"commit p50 {percentile(com, .5) * 1000:.1f} ms p99 {percentile(com, .99) * 1000:.1f} ms")

@@ -24,7 +24,7 @@ import msgspec  # noqa: E402
 
 from api.auth import sign_headers  # noqa: E402
 from api.events.ingest import to_record  # noqa: E402
-from bench.loopback import Connection, percentile, start_server  # noqa: E402
+from bench.loopback import Connection, percentile, run, start_server  # noqa: E402
 from pipelines.events import ValidEvent, decode_event, validate_event  # noqa: E402
 from warehouse.operational import open_operational  # noqa: E402
 from warehouse.outbox import EventOutbox  # noqa: E402
@@ -132,10 +132,10 @@ def main() -> None:
     server = start_server(args.catalog)
     try:
         warm = [json.dumps(make_event(next(counter))).encode() for _ in range(500)]
-        asyncio.run(run_singles(server, warm, 16))
-        elapsed = asyncio.run(run_batches(server, batch_bodies, args.batch_clients))
+        run(run_singles(server, warm, 16))
+        elapsed = run(run_batches(server, batch_bodies, args.batch_clients))
         batch_rate = args.batches * args.batch_size / elapsed
-        elapsed, lat = asyncio.run(run_singles(server, single_bodies, args.single_clients))
+        elapsed, lat = run(run_singles(server, single_bodies, args.single_clients))
         single_rate = args.singles / elapsed
     finally:
         server.stop()

@@ -210,6 +210,7 @@ class WriterClient:
         self._waiting: dict[int, tuple[asyncio.Future[Any], Any]] = {}
         self._reply_decoder = msgspec.msgpack.Decoder(tuple[int, bool, msgspec.Raw])
         self._failure_decoder = msgspec.msgpack.Decoder(dict[str, Any])
+        self._outgoing: list[bytes] = []
         self.closed = False
 
     async def start(self) -> None:
@@ -224,8 +225,17 @@ class WriterClient:
         self._next_id += 1
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._waiting[rid] = (fut, self._result_types[type(op)])
-        self._writer.write(_frame(_encode((rid, op))))
+        # Ops of one turn of the event loop leave in one write: one system call instead of
+        # one per request, and the writer reads them as one group.
+        if not self._outgoing:
+            asyncio.get_running_loop().call_soon(self._send_outgoing)
+        self._outgoing.append(_frame(_encode((rid, op))))
         return await fut
+
+    def _send_outgoing(self) -> None:
+        frames, self._outgoing = self._outgoing, []
+        if not self.closed:
+            self._writer.write(b"".join(frames))
 
     async def _read_replies(self) -> None:
         try:
