@@ -20,40 +20,62 @@ def _transitions(conn) -> list[str]:
     return [r[0] for r in conn.execute("SELECT lease_id FROM lease_transitions ORDER BY lease_id").fetchall()]
 
 
+def _journal_bytes(directory: Path) -> int:
+    return sum(path.stat().st_size for path in directory.glob("*.journal"))
+
+
 def test_groups_are_durable_before_the_file_and_applied_once_after_a_crash(tmp_path: Path) -> None:
     conn = open_operational(tmp_path / "op.duckdb")
-    store = JournaledStore(conn, tmp_path / "op.journal")
+    store = JournaledStore(conn, tmp_path / "journal")
     store.commit({"lease_transitions": [_row(1)]})
     store.materialize()
     store.commit({"lease_transitions": [_row(2), _row(3)]})
     store.commit({"lease_transitions": [_row(4)]})
     assert _transitions(conn) == ["lease-1"]          # durable in the journal only
-    assert (tmp_path / "op.journal").stat().st_size > 0
+    assert _journal_bytes(tmp_path / "journal") > 0
     conn.close()                                      # a crash: nothing more reaches the file
 
     conn = open_operational(tmp_path / "op.duckdb")
-    store = JournaledStore(conn, tmp_path / "op.journal")
+    store = JournaledStore(conn, tmp_path / "journal")
     assert store.recover() == 2
     assert _transitions(conn) == ["lease-1", "lease-2", "lease-3", "lease-4"]
-    assert (tmp_path / "op.journal").stat().st_size == 0
+    assert _journal_bytes(tmp_path / "journal") == 0
     store.commit({"lease_transitions": [_row(5)]})
     assert store.seq == 4
     store.close()
     assert _transitions(conn) == ["lease-1", "lease-2", "lease-3", "lease-4", "lease-5"]
+    assert list((tmp_path / "journal").glob("*.journal")) == []
+    conn.close()
+
+
+def test_the_applier_thread_applies_while_groups_keep_coming(tmp_path: Path) -> None:
+    conn = open_operational(tmp_path / "op.duckdb")
+    store = JournaledStore(conn, tmp_path / "journal")
+    for n in range(1, 401):
+        store.commit({"lease_transitions": [_row(n)]})
+        if n % 50 == 0:
+            store.materialize_soon()                  # hands over, or leaves it for later
+    conn.close()                                      # a crash with a batch maybe in flight
+    conn = open_operational(tmp_path / "op.duckdb")
+    store = JournaledStore(conn, tmp_path / "journal")
+    store.recover()
+    assert _transitions(conn) == sorted(f"lease-{n}" for n in range(1, 401))
+    store.close()
     conn.close()
 
 
 def test_a_group_already_in_the_file_is_not_applied_again(tmp_path: Path) -> None:
     conn = open_operational(tmp_path / "op.duckdb")
-    store = JournaledStore(conn, tmp_path / "op.journal")
+    store = JournaledStore(conn, tmp_path / "journal")
     store.commit({"lease_transitions": [_row(1)]})
-    # The file committed the group, the process died before it emptied the journal.
-    journal_copy = (tmp_path / "op.journal").read_bytes()
+    # The file committed the group, the process died before it deleted the segment.
+    [segment] = (tmp_path / "journal").glob("*.journal")
+    journal_copy = segment.read_bytes()
     store.materialize()
-    (tmp_path / "op.journal").write_bytes(journal_copy)
+    segment.write_bytes(journal_copy)
     conn.close()
     conn = open_operational(tmp_path / "op.duckdb")
-    assert JournaledStore(conn, tmp_path / "op.journal").recover() == 0
+    assert JournaledStore(conn, tmp_path / "journal").recover() == 0
     assert _transitions(conn) == ["lease-1"]
     conn.close()
 
@@ -80,7 +102,7 @@ def test_a_torn_or_corrupt_tail_is_cut_and_what_precedes_it_kept(tmp_path: Path)
 
 def test_a_group_that_could_not_be_journaled_leaves_no_trace(tmp_path: Path) -> None:
     conn = open_operational(tmp_path / "op.duckdb")
-    store = JournaledStore(conn, tmp_path / "op.journal")
+    store = JournaledStore(conn, tmp_path / "journal")
     store.commit({"lease_transitions": [_row(1)]})
     size = store.journal.size
     try:

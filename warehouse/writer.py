@@ -161,10 +161,10 @@ def run_writer(
                     except Exception:
                         log.exception("after-group step failed")
                 if store.pending_rows >= store.MAX_PENDING_ROWS:
-                    store.materialize()
+                    store.materialize_soon()
         if tick is not None and time.monotonic() >= next_tick:
             try:
-                store.materialize()
+                store.materialize_soon()
                 tick(store.conn)
             except Exception:
                 log.exception("writer tick failed")

@@ -9,9 +9,11 @@ policy, else one `rated` row per (intent, meter) priced at occurred_at. Unlike t
 prices every line on its own, without carry (`price_line(row, q, 0)`): the rating is
 provisional, shown until a sweep rates the event and supersedes it.
 
-Rows go to the operational table `inline_ratings` in one small transaction per group, with
-`seq` strictly increasing across the table, and the exporter ships them to `lake.ratings`
-(run `inline`). A failure here is logged by the caller and never changes a reply.
+The writer rates in steps between groups and hands the rows to its store, which writes them
+to the operational table `inline_ratings` with its next transaction (they are not journaled:
+a crash before then loses provisional rows only, and the sweep rates every event). `seq` is
+strictly increasing across the table, and the exporter ships the rows to `lake.ratings` (run
+`inline`). A failure here is logged by the caller and never changes a reply.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ import pyarrow as pa
 from pipelines.catalog import Catalog, Realm
 from pipelines.pricing import PriceRow, price_line
 from pipelines.rating import EventFacts, PolicyDoc, evaluate, evaluate_aggregate, parse_policy
+from warehouse.journal import register_table
 from warehouse.outbox import EventRecord
 
-__all__ = ["InlineRater"]
+__all__ = ["InlineRater", "write_inline_ratings"]
 
 _decode = msgspec.json.decode
 _Row = tuple[Any, ...]
@@ -109,35 +112,19 @@ class InlineRater:
             rules = self._rules[realm_id] = _RealmRules(catalog.realms[realm_id])
         return rules
 
-    def rate(self, conn: duckdb.DuckDBPyConnection, items: list[tuple[str, EventRecord]]) -> None:
-        """Rate `items` (realm, event) and store their rows in one transaction."""
+    def rate(self, conn: duckdb.DuckDBPyConnection, items: list[tuple[str, EventRecord]]) -> list[_Row]:
+        """Rate `items` (realm, event): their `inline_ratings` rows, `seq` first, numbered on
+        from the table's last (`conn` is read for that once)."""
         rated_at = datetime.now(timezone.utc)
         rows = [row for realm, record in items for row in self._rows(realm, record, rated_at)]
         if not rows:
-            return
+            return []
         if self._seq is None:
             found = conn.execute("SELECT coalesce(max(seq), 0) FROM inline_ratings").fetchone()
             self._seq = int(found[0]) if found else 0
         first = self._seq
-        columns = list(zip(*rows, strict=True))
-        batch = pa.Table.from_arrays(  # noqa: F841 (read by DuckDB below)
-            [pa.array(range(first + 1, first + len(rows) + 1), pa.int64())]
-            + [pa.array(values, kind) for values, kind in zip(columns, _TYPES, strict=True)],
-            names=_COLUMNS)
-        conn.execute("BEGIN")
-        try:
-            # One Arrow insert: executemany costs milliseconds a row here, on the writer's time.
-            conn.execute(f"INSERT INTO inline_ratings ({', '.join(_COLUMNS)})"
-                         f" SELECT {', '.join(_COLUMNS)} FROM batch")
-            conn.execute("COMMIT")
-        except BaseException:
-            self._seq = None  # read it again from the file: the rows were not written
-            try:
-                conn.execute("ROLLBACK")
-            except duckdb.Error:
-                pass
-            raise
         self._seq = first + len(rows)
+        return [(first + i, *row) for i, row in enumerate(rows, 1)]
 
     def _rows(self, realm_id: str, record: EventRecord, rated_at: datetime) -> list[_Row]:
         occurred_at = _instant(record.occurred_at_us)
@@ -183,3 +170,15 @@ class InlineRater:
                 rows.append(row("rated", len(rows), policy_id, version, intent.feature_code,
                                 meter, quantity, price, amount))
         return rows
+
+
+def write_inline_ratings(conn: duckdb.DuckDBPyConnection, rows: list[_Row]) -> None:
+    """Insert rows made by `InlineRater.rate` (one Arrow insert, typed)."""
+    columns = list(zip(*rows, strict=True))
+    batch = pa.Table.from_arrays(  # noqa: F841 (read by DuckDB below)
+        [pa.array(values, kind) for values, kind in zip(columns, [pa.int64(), *_TYPES], strict=True)],
+        names=_COLUMNS)
+    conn.execute(f"INSERT INTO inline_ratings ({', '.join(_COLUMNS)}) SELECT {', '.join(_COLUMNS)} FROM batch")
+
+
+register_table("inline_ratings", write_inline_ratings)
