@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from litestar import Litestar, Request, Response, get
+from litestar import Litestar, Request, get
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import SwaggerRenderPlugin
 
 from api.config import Settings
-from api.envelope import TraceIdMiddleware, handle_exception, ok
+from api.envelope import Reply, TraceIdMiddleware, handle_exception, ok
 from api.events.controller import EventsController
 from api.gate.controller import GateController
 from api.runtime import Runtime
@@ -18,7 +18,7 @@ __all__ = ["create_app"]
 
 
 @get("/healthz", operation_id="healthz", tags=["ops"])
-async def healthz(request: Request[Any, Any, Any]) -> Response[bytes]:
+async def healthz(request: Request[Any, Any, Any]) -> Reply:
     runtime: Runtime = request.app.state.runtime
     data = {
         "status": "ready" if runtime.ready else "starting",

@@ -16,11 +16,12 @@ from typing import Any
 import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
+from litestar.response.base import ASGIResponse
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import AppError
 
-__all__ = ["TraceIdMiddleware", "error_response", "handle_exception", "ok", "trace_id_of"]
+__all__ = ["Reply", "TraceIdMiddleware", "error_response", "handle_exception", "ok", "trace_id_of"]
 
 log = logging.getLogger("tollgate.api")
 _encode = msgspec.json.encode
@@ -35,12 +36,38 @@ def new_trace_id() -> str:
     return f"{_TRACE_PREFIX}{next(_trace_counter):012x}"
 
 
+class Reply(ASGIResponse):
+    """A JSON reply whose body is already encoded, sent as is.
+
+    Litestar's `Response` builds a header mapping, resolves the media type and converts to an
+    `ASGIResponse` on every request: about 60 us here, a fifth of a gate call's time in the
+    HTTP process. Routes that return this (annotated `-> Reply`) skip all of that."""
+
+    __slots__ = ("_raw_headers",)
+
+    def __init__(self, body: bytes, status: int = 200, headers: dict[str, str] | None = None) -> None:
+        self.body = body
+        self.status_code = status
+        self.content_length = len(body)
+        self.background = None
+        self.is_head_response = False
+        self.encoding = "utf-8"
+        self._encoded_cookies = ()
+        raw = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        if headers:
+            raw.extend((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items())
+        self._raw_headers = raw
+
+    def encode_headers(self) -> list[tuple[bytes, bytes]]:
+        return self._raw_headers
+
+
 def ok(data: Any, *, status: int = 200, hints: list[dict[str, Any]] | None = None,
-       headers: dict[str, str] | None = None) -> Response[bytes]:
+       headers: dict[str, str] | None = None) -> Reply:
     body: dict[str, Any] = {"ok": True, "code": "OK", "data": data}
     if hints:
         body["hints"] = hints
-    return Response(_encode(body), status_code=status, media_type=JSON, headers=headers)
+    return Reply(_encode(body), status, headers)
 
 
 def error_body(trace_id: str, status: int, code: str, message: str,

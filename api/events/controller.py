@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from litestar import Controller, Request, Response, post
+from litestar import Controller, Request, post
 
 from api.clock import utcnow
-from api.envelope import ok
+from api.envelope import Reply, ok
 from api.errors import AppError, BadRequest, Unprocessable
 from api.events.ingest import IngestOp, event_view, item_view, to_record
 from api.requests import authenticate, read_body
@@ -54,7 +54,7 @@ class EventsController(Controller):
     tags = ["events"]
 
     @post("/", operation_id="record_billing_event", status_code=201)
-    async def record(self, request: Request[Any, Any, Any]) -> Response[bytes]:
+    async def record(self, request: Request[Any, Any, Any]) -> Reply:
         runtime, body, realm, account = await _event_call(request)
         try:
             item = decode_event(body)
@@ -69,7 +69,7 @@ class EventsController(Controller):
         return ok(event_view(result, stored), status=201 if stored.accepted else 200)
 
     @post("/batch", operation_id="record_billing_event_batch", status_code=207)
-    async def record_batch(self, request: Request[Any, Any, Any]) -> Response[bytes]:
+    async def record_batch(self, request: Request[Any, Any, Any]) -> Reply:
         runtime, body, realm, account = await _event_call(request)
         try:
             batch = _decode_batch(body)

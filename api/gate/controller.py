@@ -12,11 +12,11 @@ import re
 from typing import Any
 
 import msgspec
-from litestar import Controller, Request, Response, post
+from litestar import Controller, Request, post
 
 from api.auth import AuthContext
 from api.clock import utcnow
-from api.envelope import error_body, ok, trace_id_of
+from api.envelope import Reply, error_body, ok, trace_id_of
 from api.errors import BadRequest, Conflict, Forbidden, Unprocessable
 from api.gate.ops import (
     AuthorizeOp,
@@ -101,15 +101,15 @@ class GateController(Controller):
     tags = ["gate"]
 
     @post("/authorize", operation_id="gate_authorize", status_code=200)
-    async def authorize(self, request: Request[Any, Any, Any]) -> Response[bytes]:
+    async def authorize(self, request: Request[Any, Any, Any]) -> Reply:
         return await _handle(request, "authorize", _authorize)
 
     @post("/commits", operation_id="gate_commit", status_code=200)
-    async def commit(self, request: Request[Any, Any, Any]) -> Response[bytes]:
+    async def commit(self, request: Request[Any, Any, Any]) -> Reply:
         return await _handle(request, "commits", _commit)
 
     @post("/cancel", operation_id="gate_cancel", status_code=200)
-    async def cancel(self, request: Request[Any, Any, Any]) -> Response[bytes]:
+    async def cancel(self, request: Request[Any, Any, Any]) -> Reply:
         return await _handle(request, "cancel", _cancel)
 
 
@@ -129,7 +129,7 @@ class _Call:
         self.idem = idem
 
 
-async def _handle(request: Request[Any, Any, Any], endpoint: str, decide: Any) -> Response[bytes]:
+async def _handle(request: Request[Any, Any, Any], endpoint: str, decide: Any) -> Reply:
     runtime: Runtime = request.app.state.runtime
     raw = await read_body(request)
     ctx = authenticate(runtime, request, raw)
@@ -246,11 +246,11 @@ async def _cancel(call: _Call) -> GateOutcome:
     return await call.runtime.write(CancelOp(call.realm.id, call.principal, token, reason, call.idem))  # type: ignore[arg-type,no-any-return]
 
 
-def _render(trace_id: str, outcome: GateOutcome) -> Response[bytes]:
+def _render(trace_id: str, outcome: GateOutcome) -> Reply:
     headers = dict(outcome.headers)
     if outcome.replayed:
         headers["Idempotent-Replayed"] = "true"
     if 200 <= outcome.status < 300:
         return ok(outcome.data, status=outcome.status, hints=outcome.hints, headers=headers)
     body = error_body(trace_id, outcome.status, outcome.code, outcome.message, outcome.errors, outcome.hints)
-    return Response(_encode(body), status_code=outcome.status, media_type="application/json", headers=headers)
+    return Reply(_encode(body), outcome.status, headers)
