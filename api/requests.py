@@ -14,8 +14,27 @@ __all__ = ["authenticate", "read_body"]
 
 
 async def read_body(request: Request[Any, Any, Any]) -> bytes:
-    body = await request.body()
-    if len(body) > request.app.state.runtime.settings.max_body_bytes:
+    """The raw body, read straight from the ASGI messages (Litestar's `Request.body` runs
+    an async generator per request), refused past the size limit as it arrives."""
+    limit = request.app.state.runtime.settings.max_body_bytes
+    for name, value in request.scope["headers"]:
+        if name == b"content-length" and value.isdigit() and int(value) > limit:
+            raise PayloadTooLarge("VALIDATION.BODY_TOO_LARGE", "request body is larger than 16 MiB")
+    receive = request.receive
+    message = await receive()
+    body = message.get("body", b"")
+    if message.get("more_body"):
+        chunks = [body]
+        size = len(body)
+        while message.get("more_body"):
+            message = await receive()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge("VALIDATION.BODY_TOO_LARGE", "request body is larger than 16 MiB")
+            chunks.append(chunk)
+        body = b"".join(chunks)
+    if len(body) > limit:
         raise PayloadTooLarge("VALIDATION.BODY_TOO_LARGE", "request body is larger than 16 MiB")
     return body
 

@@ -200,8 +200,10 @@ def _run_group(store: JournaledStore, requests: list[tuple[int, Any]],
     return replies
 
 
-class WriterClient:
-    """The service's end: send ops, await replies. Runs on the service's event loop."""
+class WriterClient(asyncio.Protocol):
+    """The service's end: send ops, await replies. Runs on the service's event loop; replies
+    are parsed straight from each chunk the socket delivers (a protocol, not a stream reader
+    awaited twice per frame)."""
 
     def __init__(self, sock: socket.socket, result_types: dict[type, Any]) -> None:
         self._sock = sock
@@ -211,11 +213,16 @@ class WriterClient:
         self._reply_decoder = msgspec.msgpack.Decoder(tuple[int, bool, msgspec.Raw])
         self._failure_decoder = msgspec.msgpack.Decoder(dict[str, Any])
         self._outgoing: list[bytes] = []
+        self._buf = bytearray()
+        self._transport: asyncio.Transport | None = None
         self.closed = False
 
     async def start(self) -> None:
-        self._reader, self._writer = await asyncio.open_unix_connection(sock=self._sock)
-        self._task = asyncio.create_task(self._read_replies())
+        loop = asyncio.get_running_loop()
+        await loop.create_unix_connection(lambda: self, sock=self._sock)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
 
     async def submit(self, op: Any) -> Any:
         if self.closed:
@@ -234,32 +241,36 @@ class WriterClient:
 
     def _send_outgoing(self) -> None:
         frames, self._outgoing = self._outgoing, []
-        if not self.closed:
-            self._writer.write(b"".join(frames))
+        if not self.closed and self._transport is not None:
+            self._transport.write(b"".join(frames))
 
-    async def _read_replies(self) -> None:
-        try:
-            while True:
-                head = await self._reader.readexactly(4)
-                body = await self._reader.readexactly(_LEN.unpack(head)[0])
-                rid, ok, raw = self._reply_decoder.decode(body)
-                fut, result_type = self._waiting.pop(rid)
-                if fut.done():
-                    continue
-                if ok:
-                    fut.set_result(msgspec.msgpack.decode(raw, type=result_type))
-                else:
-                    fut.set_exception(RemoteFailure(self._failure_decoder.decode(raw)))
-        except (asyncio.IncompleteReadError, ConnectionError):
-            self.closed = True
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        for body in _frames(buf):
+            rid, ok, raw = self._reply_decoder.decode(body)
+            fut, result_type = self._waiting.pop(rid)
+            if fut.done():
+                continue
+            if ok:
+                fut.set_result(msgspec.msgpack.decode(raw, type=result_type))
+            else:
+                fut.set_exception(RemoteFailure(self._failure_decoder.decode(raw)))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed:
             log.error("the writer process went away")
-            for fut, _ in self._waiting.values():
-                if not fut.done():
-                    fut.set_exception(RemoteFailure({"status": 503, "code": "STORAGE.UNAVAILABLE",
-                                                     "message": "the writer process went away"}))
-            self._waiting.clear()
+        self.closed = True
+        for fut, _ in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(RemoteFailure({"status": 503, "code": "STORAGE.UNAVAILABLE",
+                                                 "message": "the writer process went away"}))
+        self._waiting.clear()
+
+    def eof_received(self) -> bool | None:
+        return False  # close the transport: connection_lost fails what is waiting
 
     async def close(self) -> None:
         self.closed = True
-        self._writer.close()
-        self._task.cancel()
+        if self._transport is not None:
+            self._transport.close()
