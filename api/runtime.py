@@ -9,6 +9,7 @@ new version within `reload_interval_seconds`, so `tollgate catalog apply` and
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import socket
 import subprocess
@@ -67,6 +68,10 @@ class Runtime:
         from api.flow_scheduler import FlowScheduler
 
         self._scheduler = FlowScheduler.start(self.settings)
+        # What is loaded by now lives as long as the process: out of the collector's full
+        # scans, which otherwise walk every module and catalog object now and then.
+        gc.collect()
+        gc.freeze()
         self.ready = True
 
     async def stop(self) -> None:
