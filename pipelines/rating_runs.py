@@ -168,14 +168,19 @@ def current_ratings_sql() -> str:
 
 
 def write_run(conn: duckdb.DuckDBPyConnection, *, run_id: str, kind: str, started_at: datetime,
-              params: Mapping[str, object], rows_sql: str, events: int) -> RunSummary:
+              params: Mapping[str, object], rows_sql: str, events: int | None) -> RunSummary:
     """Append the rows of `rows_sql` (columns of RATING_COLUMNS, in order) to lake.ratings and
-    the run's completed lake.rating_runs row, in one lake transaction."""
+    the run's completed lake.rating_runs row, in one lake transaction. `events` None: the
+    distinct event ids among the rows just written (counted inside the transaction)."""
     began = time.monotonic()
     conn.execute("BEGIN")
     try:
         inserted = conn.execute(f"INSERT INTO lake.ratings ({RATING_COLUMNS}) {rows_sql}").fetchone()
         count = int(inserted[0]) if inserted else 0
+        if events is None:
+            found = conn.execute("SELECT count(DISTINCT event_id) FROM lake.ratings WHERE run_id = ?",
+                                 [run_id]).fetchone()
+            events = int(found[0]) if found else 0
         finished_at = datetime.now(timezone.utc)
         conn.execute(
             "INSERT INTO lake.rating_runs VALUES (?, ?, 'completed', ?, ?, ?, ?, ?)",

@@ -9,10 +9,12 @@
    event without an export id. An event is pending when no completed sweep, rerate or
    aggregate run holds a row for it; inline ratings do not count, they are provisional.
 3. Pending events are split into chunks of about `chunk_events` by a hash of the billing
-   account. One scan rates and prices every pending event (`pipelines.rating_plan`) and
-   writes its lines, one partition per chunk, to a scratch folder; then each chunk gets the
-   remainder carry and its amounts and becomes one run in one lake transaction
-   (`rating_runs.write_run`): its rows and its rating_runs row land together or not at all.
+   account. When there is one chunk, one statement rates and prices every pending event
+   (`pipelines.rating_plan`), carries the remainders and writes the run. Otherwise one scan
+   rates and prices every pending event and writes its lines, one partition per chunk, to a
+   scratch folder; then each chunk gets the remainder carry and its amounts. Each chunk
+   becomes one run in one lake transaction (`rating_runs.write_run`): its rows and its
+   rating_runs row land together or not at all.
    A crash loses at most the chunk in flight, which the next sweep rates again; no event is
    ever half rated. Memory stays flat however many events wait, and the events are read once.
 4. All of an account's pending events fall in one chunk, so the carry of a run (per account,
@@ -102,6 +104,20 @@ def _watermark(conn: duckdb.DuckDBPyConnection) -> int:
     return int(row[0]) if row else -1
 
 
+def _write_chunk(conn: duckdb.DuckDBPyConnection, lines: str, params: dict[str, object], *,
+                 events: int | None, progress: Progress | None = None, total: int = 0) -> RunSummary:
+    """One chunk's lines (priced, before the carry) as one sweep run."""
+    started_at = datetime.now(timezone.utc)
+    began = time.monotonic()
+    run_id = new_run_id("sweep", started_at)
+    summary = write_run(conn, run_id=run_id, kind="sweep", started_at=started_at, params=params,
+                        events=events, rows_sql=event_rows_sql(run_id, started_at, lines))
+    if progress is not None:
+        progress(total, total)
+    return RunSummary(summary.run_id, summary.kind, summary.events, summary.lines,
+                      time.monotonic() - began)
+
+
 def sweep(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, lock: RatingLock, *,
           chunk_events: int = CHUNK_EVENTS, scratch: Path | None = None,
           progress: Progress | None = None) -> list[RunSummary]:
@@ -124,22 +140,28 @@ def sweep_locked(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, *,
     chunks = plan_chunks(conn, candidates, chunk_events)
     if not chunks:
         return []
+    rated = (f"SELECT r.event_id FROM lake.ratings AS r JOIN ({batch_runs_sql()}) AS b"
+             " ON b.run_id = r.run_id WHERE r.source = 'event' AND r.event_id IS NOT NULL")
+    pending = (f"(SELECT e.* FROM lake.events AS e ANTI JOIN ({rated}) AS r"
+               f" ON r.event_id = e.event_id WHERE {candidates})")
+    priced = priced_sql("(" + plan.lines_sql(pending) + ")")
+    if len(chunks) == 1:
+        # One chunk: rate, price, carry and write in one statement, with no scratch files.
+        return [_write_chunk(conn, f"({priced})", {"buckets": [chunks[0].first_bucket,
+                                                               chunks[0].last_bucket],
+                                                   "through_export_id": through},
+                             events=None, progress=progress, total=chunks[0].events)]
     if scratch is not None:
         scratch.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix="sweep-", dir=scratch))
     try:
         # Pass 1, one scan: every pending event rated and priced, its lines written to the
-        # scratch folder in one partition per chunk.
+        # scratch folder in one partition per chunk (uncompressed: they are read once, soon).
         chunk_of = " ".join(f"WHEN _bucket <= {c.last_bucket} THEN {i}" for i, c in enumerate(chunks))
-        rated = (f"SELECT r.event_id FROM lake.ratings AS r JOIN ({batch_runs_sql()}) AS b"
-                 " ON b.run_id = r.run_id WHERE r.source = 'event' AND r.event_id IS NOT NULL")
-        pending = (f"(SELECT e.* FROM lake.events AS e ANTI JOIN ({rated}) AS r"
-                   f" ON r.event_id = e.event_id WHERE {candidates})")
-        priced = priced_sql("(" + plan.lines_sql(pending) + ")")
         conn.execute(
             f"COPY (SELECT * EXCLUDE (_bucket), CASE {chunk_of} END AS chunk FROM"
             f" (SELECT *, hash(billing_account_id) % {BUCKETS} AS _bucket FROM ({priced})))"
-            f" TO '{folder}' (FORMAT parquet, PARTITION_BY (chunk))")
+            f" TO '{folder}' (FORMAT parquet, PARTITION_BY (chunk), COMPRESSION uncompressed)")
         # Pass 2, per chunk: the carry, the amounts and the run's one lake transaction.
         total = sum(c.events for c in chunks)
         runs: list[RunSummary] = []
@@ -149,21 +171,14 @@ def sweep_locked(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, *,
             files = folder / f"chunk={index}"
             lines = (f"read_parquet('{files}/*.parquet')" if files.is_dir() else
                      f"(SELECT * FROM ({priced}) WHERE FALSE)")
-            started_at = datetime.now(timezone.utc)
-            began = time.monotonic()
             count = conn.execute(f"SELECT count(DISTINCT event_id) FROM {lines}").fetchone()
             events = int(count[0]) if count else 0
             if events or last:
-                run_id = new_run_id("sweep", started_at)
                 params: dict[str, object] = {"buckets": [chunk.first_bucket, chunk.last_bucket]}
                 if last:
                     # Every candidate up to this export id has now been looked at by a sweep.
                     params["through_export_id"] = through
-                summary = write_run(conn, run_id=run_id, kind="sweep", started_at=started_at,
-                                    params=params, events=events,
-                                    rows_sql=event_rows_sql(run_id, started_at, lines))
-                runs.append(RunSummary(summary.run_id, summary.kind, summary.events,
-                                       summary.lines, time.monotonic() - began))
+                runs.append(_write_chunk(conn, lines, params, events=events))
             shutil.rmtree(files, ignore_errors=True)
             done += chunk.events
             if progress is not None:
