@@ -7,7 +7,7 @@ from typing import Any
 from litestar import Request
 
 from api.auth import AuthContext
-from api.errors import PayloadTooLarge
+from api.errors import BadRequest, PayloadTooLarge
 from api.runtime import Runtime
 
 __all__ = ["authenticate", "read_body"]
@@ -22,12 +22,16 @@ async def read_body(request: Request[Any, Any, Any]) -> bytes:
             raise PayloadTooLarge("VALIDATION.BODY_TOO_LARGE", "request body is larger than 16 MiB")
     receive = request.receive
     message = await receive()
+    if message["type"] == "http.disconnect":
+        raise BadRequest("REQUEST.INCOMPLETE", "the client went away before sending the body")
     body = message.get("body", b"")
     if message.get("more_body"):
         chunks = [body]
         size = len(body)
         while message.get("more_body"):
             message = await receive()
+            if message["type"] == "http.disconnect":
+                raise BadRequest("REQUEST.INCOMPLETE", "the client went away before sending the body")
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:

@@ -176,9 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     run_writer(store, sock, decode_request, handlers, on_rollback=rebuild, tick=tick,
                after_group=after_group, tick_seconds=0.25)
     rate_singles()  # what the last tick did not reach
+    store.close()  # everything into the file first, so the exporter's last round ships it
     stop.set()
     exporter.join(timeout=5)
-    store.close()
     conn.close()
     return 0
 

@@ -140,3 +140,28 @@ def test_reapplying_a_catalog_never_grants_twice(fresh_service: Service) -> None
     svc.stop()
     conn = duckdb.connect(str(svc.data_dir / "operational.duckdb"), read_only=True)
     assert conn.execute("SELECT count(*) FROM grants WHERE grant_id = 'gate-funds'").fetchone() == (1,)
+
+
+def test_amounts_beyond_bigint_are_refused_before_anything_is_written() -> None:
+    # 10^17 units at 100 xusd each is 10^19 xusd: more than a BIGINT holds. Acknowledging it
+    # would leave a row the file refuses; it is a 422 and nothing changes.
+    catalog = load_catalog((FIXTURES / "catalog.toml").read_text())
+    conn = open_operational_memory()
+    book = GateBook(lambda: catalog, lambda: NOW)
+    book.rebuild(conn)
+    huge = 10 ** 17
+    tx = Transaction(conn, NOW)
+    refused = book.authorize(tx, AuthorizeOp("acme", "team-c", "acct_postpaid", None, "gate.unit", huge, {}, None))()
+    assert (refused.status, refused.code) == (422, "VALIDATION.INVALID_VALUE")
+    assert refused.errors[0]["field"] == "estimated_quantity_minor"
+    assert tx.rows == {}
+    ok = book.authorize(tx, AuthorizeOp("acme", "team-c", "acct_postpaid", None, "gate.unit", 1, {}, None))()
+    token = ok.data["lease_token"]
+    seq_before = (book.commit_seq, book.line_seq)
+    over = book.commit(tx, CommitOp("acme", "team-c", "acct_postpaid", token, "gate.unit", huge,
+                                    None, {}, b"{}", None))()
+    assert (over.status, over.code) == (422, "VALIDATION.INVALID_VALUE")
+    assert (book.commit_seq, book.line_seq) == seq_before and "commits" not in tx.rows
+    done = book.commit(tx, CommitOp("acme", "team-c", "acct_postpaid", token, "gate.unit", 3,
+                                    None, {}, b"{}", None))()
+    assert done.status == 200 and done.data["amount_xusd"] == "300"

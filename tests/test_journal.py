@@ -115,3 +115,35 @@ def test_a_group_that_could_not_be_journaled_leaves_no_trace(tmp_path: Path) -> 
     store.close()
     assert _transitions(conn) == ["lease-1"]
     conn.close()
+
+
+def test_a_row_the_file_would_refuse_fails_its_group_before_it_is_durable(tmp_path: Path) -> None:
+    conn = open_operational(tmp_path / "op.duckdb")
+    store = JournaledStore(conn, tmp_path / "journal")
+    try:
+        store.commit({"lease_transitions": [_row(1)], "grants": [("acme", "a", "g", 2 ** 63, AT, AT)]})
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a row beyond BIGINT was journaled")
+    assert store.seq == 0 and store.journal.size == 0
+    store.commit({"lease_transitions": [_row(2)]})
+    store.close()
+    assert _transitions(conn) == ["lease-2"]
+    conn.close()
+
+
+def test_best_effort_rows_the_file_refuses_never_hold_up_journaled_ones(tmp_path: Path) -> None:
+    conn = open_operational(tmp_path / "op.duckdb")
+    store = JournaledStore(conn, tmp_path / "journal")
+    store.commit({"lease_transitions": [_row(1)]})
+    store.defer("inline_ratings", [(1, "r1")])          # wrong shape for the table: refused
+    store.defer("inline_ratings", [(2, 2 ** 64)])       # beyond BIGINT: dropped at once
+    store.materialize()
+    store.commit({"lease_transitions": [_row(2)]})
+    store.materialize_soon()
+    store.close()
+    assert _transitions(conn) == ["lease-1", "lease-2"]
+    assert conn.execute("SELECT count(*) FROM inline_ratings").fetchone() == (0,)
+    assert list((tmp_path / "journal").glob("*.journal")) == []
+    conn.close()

@@ -52,11 +52,19 @@ class Journal:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        created = not path.exists()
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
         self._size = os.fstat(self._fd).st_size
+        self.broken = False
+        if created:
+            _sync_dir(path.parent)  # the new name survives a power loss, not only a kill
 
     def append(self, seq: int, tables: dict[str, list[tuple[Any, ...]]]) -> None:
-        """Write one group and sync it; on failure the file is cut back to where it was."""
+        """Write one group and sync it; on failure the file is cut back to where it was. If
+        even that fails, the journal is `broken` and refuses every later group (503s until
+        a restart, whose recovery reads what the file really holds)."""
+        if self.broken:
+            raise OSError("the journal could not be restored after a failed write")
         payload = _encode((seq, tables))
         record = _HEAD.pack(len(payload), zlib.crc32(payload)) + payload
         try:
@@ -68,7 +76,7 @@ class Journal:
             try:
                 os.ftruncate(self._fd, self._size)
             except OSError:
-                pass
+                self.broken = True
             raise
         self._size += len(record)
 
@@ -98,7 +106,27 @@ class Journal:
         return self._size
 
     def close(self) -> None:
-        os.close(self._fd)
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+
+def _sync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_BIGINT = (-(2 ** 63), 2 ** 63 - 1)
+
+
+def out_of_range(row: tuple[Any, ...]) -> bool:
+    """True when an integer of `row` does not fit the file's BIGINT columns: such a row would
+    be refused by DuckDB only when applied, after its group was acknowledged."""
+    low, high = _BIGINT
+    return any(type(v) is int and not low <= v <= high for v in row)
 
 
 def _insert_inferred(table: str) -> TableWriter:
@@ -147,12 +175,14 @@ class _Batch:
     """Rows handed to the applier: every group up to `seq`, the journal segments that hold
     exactly those groups, and deferred rows."""
 
-    __slots__ = ("tables", "seq", "segments")
+    __slots__ = ("tables", "seq", "segments", "deferred")
 
-    def __init__(self, tables: dict[str, list[tuple[Any, ...]]], seq: int, segments: list[Journal]) -> None:
+    def __init__(self, tables: dict[str, list[tuple[Any, ...]]], seq: int, segments: list[Journal],
+                 deferred: dict[str, list[tuple[Any, ...]]]) -> None:
         self.tables = tables
         self.seq = seq
         self.segments = segments
+        self.deferred = deferred
 
 
 class JournaledStore:
@@ -176,7 +206,7 @@ class JournaledStore:
         journal_dir.mkdir(parents=True, exist_ok=True)
         self._pending: dict[str, list[tuple[Any, ...]]] = {}
         self._pending_rows = 0
-        self._deferred = False
+        self._deferred: dict[str, list[tuple[Any, ...]]] = {}
         row = conn.execute("SELECT coalesce(max(applied_seq), 0) FROM journal_state").fetchone()
         self.applied_seq = int(row[0]) if row else 0
         self.seq = self.applied_seq
@@ -217,9 +247,13 @@ class JournaledStore:
         return applied
 
     def commit(self, tables: dict[str, list[tuple[Any, ...]]]) -> None:
-        """Make one group durable (journal + sync). Raises OSError if it could not be."""
+        """Make one group durable (journal + sync). Raises OSError if it could not be, and
+        ValueError for a row the file would refuse (the group fails before it is durable)."""
         if not tables:
             return
+        for table, rows in tables.items():
+            if table != "events" and any(out_of_range(row) for row in rows):  # events: checked at ingest
+                raise ValueError(f"a {table} row holds an integer beyond BIGINT")
         seq = self.seq + 1
         self.journal.append(seq, tables)
         self.seq = seq
@@ -231,11 +265,14 @@ class JournaledStore:
             self._pending_rows += len(rows)
 
     def defer(self, table: str, rows: list[tuple[Any, ...]]) -> None:
-        """Rows for the next transaction that need no journal: derived, best-effort data
-        (inline ratings) that a crash may lose."""
-        if rows:
-            self._merge({table: rows})
-            self._deferred = True
+        """Rows that need no journal: derived, best-effort data (inline ratings) that a crash
+        may lose. They go in with the next batch, in a transaction of their own, so a row
+        the file refuses costs only those rows (logged), never the journaled ones."""
+        kept = [row for row in rows if not out_of_range(row)]
+        if len(kept) < len(rows):
+            log.warning("dropping %d %s rows with integers beyond BIGINT", len(rows) - len(kept), table)
+        if kept:
+            self._deferred.setdefault(table, []).extend(kept)
 
     @property
     def pending_rows(self) -> int:
@@ -248,14 +285,16 @@ class JournaledStore:
             self._failed = None
             for table, rows in self._pending.items():
                 failed.tables.setdefault(table, []).extend(rows)
+            for table, rows in self._deferred.items():
+                failed.deferred.setdefault(table, []).extend(rows)
             failed.seq = self.seq
             failed.segments.extend(self._segments)
             batch = failed
         elif self.seq == self.applied_seq and not self._deferred:
             return None
         else:
-            batch = _Batch(self._pending, self.seq, self._segments)
-        self._pending, self._pending_rows, self._deferred = {}, 0, False
+            batch = _Batch(self._pending, self.seq, self._segments, self._deferred)
+        self._pending, self._pending_rows, self._deferred = {}, 0, {}
         self._segments = []
         self.journal = self._new_segment()
         return batch
@@ -295,24 +334,45 @@ class JournaledStore:
         self._done = batch
 
     def _apply(self, conn: duckdb.DuckDBPyConnection, batch: _Batch) -> None:
-        conn.execute("BEGIN")
-        try:
-            write_rows(conn, batch.tables)
-            conn.execute("DELETE FROM journal_state")
-            conn.execute("INSERT INTO journal_state VALUES (?)", [batch.seq])
-            conn.execute("COMMIT")
-        except BaseException:
+        if batch.seq > self.applied_seq or any(batch.tables.values()):
+            conn.execute("BEGIN")
             try:
-                conn.execute("ROLLBACK")
-            except duckdb.Error:
-                pass
-            raise
+                write_rows(conn, batch.tables)
+                conn.execute("DELETE FROM journal_state")
+                conn.execute("INSERT INTO journal_state VALUES (?)", [batch.seq])
+                conn.execute("COMMIT")
+            except BaseException:
+                try:
+                    conn.execute("ROLLBACK")
+                except duckdb.Error:
+                    pass
+                raise
+        # From here on the batch is in the file: nothing below may mark it failed (a retry
+        # would apply it twice).
+        batch.tables = {}
         for segment in batch.segments:
-            segment.close()
             try:
+                segment.close()
                 segment.path.unlink()
             except FileNotFoundError:
                 pass
+            except OSError:
+                log.warning("could not delete applied journal segment %s (it is skipped at start)",
+                            segment.path, exc_info=True)
+        batch.segments = []
+        if batch.deferred:
+            try:
+                conn.execute("BEGIN")
+                write_rows(conn, batch.deferred)
+                conn.execute("COMMIT")
+            except Exception:
+                log.exception("dropping %d best-effort rows the file refused",
+                              sum(len(rows) for rows in batch.deferred.values()))
+                try:
+                    conn.execute("ROLLBACK")
+                except duckdb.Error:
+                    pass
+            batch.deferred = {}
 
     def materialize(self) -> None:
         """Apply every durable group not yet in the DuckDB file, now (the writer waits)."""

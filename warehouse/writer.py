@@ -130,7 +130,8 @@ def run_writer(
     """The writer process's loop; returns when the service closes its end of the socket.
 
     `tick` runs every `tick_seconds` between groups (lease expiry and other timed work), on
-    the connection after every durable group has been applied to the file; `after_group`
+    the connection, right after the waiting rows were handed to the applier (they may not be
+    in the file yet: a tick that reads the file must call `store.reading()`); `after_group`
     runs after each group's replies are sent."""
     buf = bytearray()
     next_tick = time.monotonic() + tick_seconds

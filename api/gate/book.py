@@ -163,6 +163,28 @@ def _error(status: int, code: str, message: str, **extra: Any) -> GateOutcome:
     return GateOutcome(status=status, code=code, message=message, **extra)
 
 
+_INT64_MAX = 2 ** 63 - 1  # amounts are BIGINT in the file and the lake
+
+
+def _amount_overflows(prices: PriceIndex, lines: list[tuple[str, int]], now: datetime,
+                      carried: Callable[[str, str], int]) -> bool:
+    """True when pricing `lines` (with the carry as it would run) passes 2^63-1 xusd, so the
+    commit is refused before it changes anything."""
+    carry: dict[tuple[str, str], int] = {}
+    total = 0
+    for meter, qty in lines:
+        row = prices.at(meter, now)
+        if row is None:
+            continue
+        key = (meter, row.price_id)
+        priced = price_line(row, qty, carry.get(key, carried(*key)))
+        carry[key] = priced.remainder_after
+        total += priced.amount_xusd
+        if priced.amount_xusd > _INT64_MAX or total > _INT64_MAX:
+            return True
+    return False
+
+
 class GateBook:
     def __init__(self, catalog: Callable[[], Catalog], clock: Callable[[], datetime]) -> None:
         self._catalog = catalog
@@ -323,6 +345,11 @@ class GateBook:
         estimate = op.estimated_quantity_minor
         row = self._prices(realm).at(feature.primary_meter, now)
         cost = quote(row, estimate) if row is not None else 0
+        if cost > _INT64_MAX:
+            return _error(422, "VALIDATION.INVALID_VALUE",
+                          f"the estimate's price is beyond what the ledger holds ({_INT64_MAX} xusd)",
+                          errors=[{"field": "estimated_quantity_minor", "code": "VALIDATION.INVALID_VALUE",
+                                   "message": "priced, this estimate exceeds 2^63-1 xusd"}])
         hints: list[dict[str, Any]] = []
 
         quotas = self._quotas(realm, feature, account.id)
@@ -451,6 +478,12 @@ class GateBook:
         if expired:
             hints.append({"type": "lease.expired", "expires_at": format_instant(lease.expires_at)})
         prices = self._prices(realm)
+        if _amount_overflows(prices, lines, now, lambda meter, price_id: self.carry.get(
+                (realm.id, lease.account, meter, price_id), 0)):
+            return _error(422, "VALIDATION.INVALID_VALUE",
+                          f"the commit's amount is beyond what the ledger holds ({_INT64_MAX} xusd)",
+                          errors=[{"field": "quantity_minor", "code": "VALIDATION.INVALID_VALUE",
+                                   "message": "priced, this quantity exceeds 2^63-1 xusd"}])
         commit_id = "cmt_" + secrets.token_hex(12)
         total = 0
         out_lines = []
