@@ -51,3 +51,49 @@ def test_acknowledged_events_survive_kill_9_and_replays_return_200(fresh_service
     conn = duckdb.connect(str(svc.data_dir / "operational.duckdb"), read_only=True)
     stored = conn.execute("SELECT count(*) FROM events WHERE event_type IN ('durable.check', 'durable.batch')").fetchone()
     assert stored == (len(bodies) + len(batch),)
+
+
+def _writer_pid(data_dir) -> int:
+    from pathlib import Path
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"api.writer_host" in argv and str(data_dir).encode() in argv:
+            return int(entry.name)
+    raise AssertionError("no writer process")
+
+
+def test_a_dead_writer_gives_503_in_the_envelope_and_a_restart_keeps_what_was_acknowledged(
+        fresh_service: Service) -> None:
+    import os
+    import time
+    from pathlib import Path
+
+    if not Path("/proc").is_dir():
+        return
+    svc = fresh_service
+    svc.start()
+    first = {"semantic_kind": "activity", "event_type": "writer.death", "occurred_at": "2026-11-20T10:00:00Z",
+             "subject_ref": str(uuid.uuid4())}
+    assert svc.post("/mgt/v1/events", first, account="acct_events").status_code == 201
+    os.kill(_writer_pid(svc.data_dir), signal.SIGKILL)   # its journal holds the event, maybe not the file
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and svc.client.get(svc.base_url + "/healthz").status_code == 200:
+        time.sleep(0.05)
+    health = svc.client.get(svc.base_url + "/healthz")
+    assert health.status_code == 503 and health.json()["data"]["writer"] == "down"
+    second = dict(first, subject_ref=str(uuid.uuid4()))
+    refused = svc.post("/mgt/v1/events", second, account="acct_events")
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["ok"] is False and refused.json()["code"] == "STORAGE.UNAVAILABLE"
+    gate = svc.post("/mgt/v1/gate/authorize", {"feature_code": "gate.unit", "estimated_quantity_minor": "1"},
+                    principal="gate-p")
+    assert gate.status_code == 503 and gate.json()["code"] == "STORAGE.UNAVAILABLE"
+    svc.stop()
+    svc.start()
+    assert svc.post("/mgt/v1/events", first, account="acct_events").status_code == 200  # kept
+    assert svc.post("/mgt/v1/events", second, account="acct_events").status_code == 201  # never stored
