@@ -23,6 +23,21 @@ from api.auth import sign_headers
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
+def processes_of(data_dir: Path, module: str) -> list[int]:
+    """Pids of the `python -m <module>` processes started for `data_dir` (reads /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if module.encode() in argv and str(data_dir).encode() in argv:
+            found.append(int(entry.name))
+    return found
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -10,7 +10,7 @@ import uuid
 import httpx
 
 from api.auth import sign_headers
-from tests.conftest import Service
+from tests.conftest import Service, processes_of
 
 
 def test_acknowledged_events_survive_kill_9_and_replays_return_200(fresh_service: Service) -> None:
@@ -53,20 +53,6 @@ def test_acknowledged_events_survive_kill_9_and_replays_return_200(fresh_service
     assert stored == (len(bodies) + len(batch),)
 
 
-def _writer_pid(data_dir) -> int:
-    from pathlib import Path
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"api.writer_host" in argv and str(data_dir).encode() in argv:
-            return int(entry.name)
-    raise AssertionError("no writer process")
-
-
 def test_a_dead_writer_gives_503_in_the_envelope_and_a_restart_keeps_what_was_acknowledged(
         fresh_service: Service) -> None:
     import os
@@ -80,7 +66,8 @@ def test_a_dead_writer_gives_503_in_the_envelope_and_a_restart_keeps_what_was_ac
     first = {"semantic_kind": "activity", "event_type": "writer.death", "occurred_at": "2026-11-20T10:00:00Z",
              "subject_ref": str(uuid.uuid4())}
     assert svc.post("/mgt/v1/events", first, account="acct_events").status_code == 201
-    os.kill(_writer_pid(svc.data_dir), signal.SIGKILL)   # its journal holds the event, maybe not the file
+    [writer] = processes_of(svc.data_dir, "api.writer_host")
+    os.kill(writer, signal.SIGKILL)   # its journal holds the event, maybe not the file
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and svc.client.get(svc.base_url + "/healthz").status_code == 200:
         time.sleep(0.05)

@@ -20,7 +20,7 @@ from api.cli import main as tollgate_main
 from flows.compaction import compact_lake
 from flows.rating import rate_events, rerate
 from flows.reports import publish_usage_reports
-from tests.conftest import Service, make_service, tollgate
+from tests.conftest import Service, make_service, processes_of, tollgate
 from tests.lake_events import catalog_toml, policy, price, single
 from warehouse.lake import connect_lake
 from warehouse.operational import open_operational
@@ -237,17 +237,7 @@ def test_a_single_event_is_rated_inline_and_a_batch_event_is_not(
 
 
 def _scheduler_pids(data_dir: Path) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"flows.scheduler" in argv and str(data_dir).encode() in argv:
-            found.append(int(entry.name))
-    return found
+    return processes_of(data_dir, "flows.scheduler")
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
