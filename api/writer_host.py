@@ -2,8 +2,8 @@
 
 Started by the service with one end of a socket pair. It opens the operational file (the
 only process that does), applies what its journal holds beyond it, rebuilds in-memory state
-from it, says it is ready, and then runs
-the group-commit loop of `warehouse.writer` with the handlers of every write op. It exits
+from it, says it is ready, and then runs the group-commit loop of `warehouse.writer` with
+the handlers of every write op. It exits
 when the service's end closes, and, on Linux, when the service dies (PR_SET_PDEATHSIG), so
 a killed service never leaves the file locked.
 """

@@ -163,10 +163,11 @@ def run_writer(
                         log.exception("after-group step failed")
                 if store.pending_rows >= store.MAX_PENDING_ROWS:
                     store.materialize_soon()
-        if tick is not None and time.monotonic() >= next_tick:
+        if time.monotonic() >= next_tick:
             try:
                 store.materialize_soon()
-                tick(store.conn)
+                if tick is not None:
+                    tick(store.conn)
             except Exception:
                 log.exception("writer tick failed")
             next_tick = time.monotonic() + tick_seconds
