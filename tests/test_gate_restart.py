@@ -165,3 +165,73 @@ def test_amounts_beyond_bigint_are_refused_before_anything_is_written() -> None:
     done = book.commit(tx, CommitOp("acme", "team-c", "acct_postpaid", token, "gate.unit", 3,
                                     None, {}, b"{}", None))()
     assert done.status == 200 and done.data["amount_xusd"] == "300"
+
+
+def test_kill_9_under_concurrent_gate_load_keeps_every_acknowledged_commit_exactly_once(
+        fresh_service: Service) -> None:
+    # 16 clients run authorize+commit pairs; the service is killed while they run. After a
+    # restart every acknowledged commit replays to its own commit id, the file holds each
+    # exactly once, and the ledger's committed total is their sum (nothing unacknowledged
+    # beyond what was in flight at the kill).
+    import asyncio
+    import json
+
+    import httpx
+
+    from api.auth import sign_headers
+
+    svc = fresh_service
+    svc.start()
+    acknowledged: list[tuple[dict, str, int]] = []   # (commit body, commit id, amount)
+    in_flight = [0]
+
+    async def client(n: int, http: httpx.AsyncClient) -> None:
+        def signed(path: str, data: bytes) -> dict[str, str]:
+            return sign_headers(key_id=svc.key.key_id, secret=svc.key.secret, method="POST", path=path,
+                                body=data, realm="acme", principal_id="gate-p")
+        for i in range(200):
+            try:
+                data = json.dumps({"feature_code": "gate.unit", "estimated_quantity_minor": "2"}).encode()
+                r = await http.post(svc.base_url + "/mgt/v1/gate/authorize", content=data,
+                                    headers=signed("/mgt/v1/gate/authorize", data))
+                token = r.json()["data"]["lease_token"]
+                body = {"lease_token": token, "feature_code": "gate.unit", "quantity_minor": str(1 + (n + i) % 3)}
+                data = json.dumps(body).encode()
+                in_flight[0] += 1
+                r = await http.post(svc.base_url + "/mgt/v1/gate/commits", content=data,
+                                    headers=signed("/mgt/v1/gate/commits", data))
+                in_flight[0] -= 1
+                assert r.status_code == 200, r.text
+                acknowledged.append((body, r.json()["data"]["commit_id"], int(r.json()["data"]["amount_xusd"])))
+            except (httpx.TransportError, KeyError, ValueError):
+                return  # the service is gone
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=30) as http:
+            tasks = [asyncio.create_task(client(n, http)) for n in range(16)]
+            while len(acknowledged) < 300:
+                await asyncio.sleep(0.01)
+            svc.proc.send_signal(signal.SIGKILL)
+            await asyncio.gather(*tasks)
+
+    asyncio.run(run())
+    svc.proc.wait()
+    svc.proc = None
+    assert len(acknowledged) >= 300
+    svc.start()
+    for body, commit_id, _ in acknowledged[::7] + acknowledged[-5:]:
+        again = svc.post("/mgt/v1/gate/commits", body, principal="gate-p")
+        assert again.status_code == 200 and again.json()["data"]["commit_id"] == commit_id
+    svc.stop()
+    conn = duckdb.connect(str(svc.data_dir / "operational.duckdb"), read_only=True)
+    ids = [commit_id for _, commit_id, _ in acknowledged]
+    stored = dict(conn.execute(
+        "SELECT commit_id, count(*) FROM commits GROUP BY commit_id").fetchall())
+    assert all(stored.get(commit_id) == 1 for commit_id in ids)
+    total, count = conn.execute("SELECT sum(amount_xusd), count(*) FROM commits").fetchone()
+    # Commits in flight at the kill may have become durable without their reply arriving.
+    assert len(ids) <= count <= len(ids) + 16
+    assert total >= sum(amount for _, _, amount in acknowledged)
+    lines = conn.execute("SELECT count(*) FROM commit_lines").fetchone()[0]
+    assert lines == count
+    conn.close()
