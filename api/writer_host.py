@@ -93,6 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", required=True)
     args = parser.parse_args(argv)
     _die_with_parent()
+    # Ctrl-C in a terminal reaches the whole process group. The service stops on it and then
+    # closes its end of the socket, which ends this loop after the last rows reach the file;
+    # dying here first would skip that. (A dead service still takes this process with it.)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
     data_dir = Path(args.data_dir)
     sock = socket.socket(fileno=args.fd)

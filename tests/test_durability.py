@@ -84,3 +84,44 @@ def test_a_dead_writer_gives_503_in_the_envelope_and_a_restart_keeps_what_was_ac
     svc.start()
     assert svc.post("/mgt/v1/events", first, account="acct_events").status_code == 200  # kept
     assert svc.post("/mgt/v1/events", second, account="acct_events").status_code == 201  # never stored
+
+
+def test_ctrl_c_to_the_process_group_stops_cleanly_with_everything_in_the_file(fresh_service: Service) -> None:
+    # A terminal's Ctrl-C reaches the service and its writer alike. The writer waits for the
+    # service to close its socket, so the last rows reach the file and nothing is left over.
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import duckdb
+    import httpx
+
+    svc = fresh_service
+    log = open(svc.data_dir / "serve.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "serve", "--port", str(svc.port),
+                             "--data-dir", str(svc.data_dir)], stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True, env={**os.environ, "TOLLGATE_SCHEDULES": "off"})
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(svc.base_url + "/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.1)
+        body = {"semantic_kind": "activity", "event_type": "ctrl.c", "occurred_at": "2026-11-20T10:00:00Z"}
+        assert svc.post("/mgt/v1/events", body, account="acct_events").status_code == 201
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=30) == 130  # after a graceful shutdown
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = (svc.data_dir / "serve.log").read_text()
+    assert "Traceback" not in text and "went away" not in text, text
+    assert [p for p in (svc.data_dir / "journal").glob("*.journal") if p.stat().st_size] == []
+    conn = duckdb.connect(str(svc.data_dir / "operational.duckdb"), read_only=True)
+    assert conn.execute("SELECT count(*) FROM events WHERE event_type = 'ctrl.c'").fetchone() == (1,)
+    conn.close()
