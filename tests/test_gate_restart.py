@@ -209,7 +209,9 @@ def test_kill_9_under_concurrent_gate_load_keeps_every_acknowledged_commit_exact
     async def run() -> None:
         async with httpx.AsyncClient(timeout=30) as http:
             tasks = [asyncio.create_task(client(n, http)) for n in range(16)]
-            while len(acknowledged) < 300:
+            deadline = asyncio.get_running_loop().time() + 120
+            while len(acknowledged) < 300 and not all(t.done() for t in tasks):
+                assert asyncio.get_running_loop().time() < deadline, "the clients stalled"
                 await asyncio.sleep(0.01)
             svc.proc.send_signal(signal.SIGKILL)
             await asyncio.gather(*tasks)
