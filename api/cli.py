@@ -112,8 +112,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _bootstrap(settings)
     app = create_app(settings)
     _banner(settings)
+    from api.http_protocol import http_protocol
+
     config = uvicorn.Config(app, host=settings.host, port=settings.port, loop="uvloop",
-                            http="httptools", lifespan="on", log_level="warning",
+                            http=http_protocol(), lifespan="on", log_level="warning",
                             access_log=False, timeout_keep_alive=30, proxy_headers=False)
     try:
         uvicorn.Server(config).run()
