@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -97,7 +98,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=32)
     args = parser.parse_args()
     print(f"nproc={os.cpu_count()}  python={sys.version.split()[0]}")
-    server = start_server(bench_catalog(args.clients))
+    catalog = bench_catalog(args.clients)
+    server = start_server(catalog)
+    shutil.rmtree(catalog.parent, ignore_errors=True)
     try:
         run(run_pairs(server, [f"solo-{i}" for i in range(args.clients)], 500))  # warm up
         hello = run(run_hello(server, args.clients, 2 * args.pairs))

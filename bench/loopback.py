@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -36,6 +37,7 @@ class Server:
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=30)
+        shutil.rmtree(self.data_dir, ignore_errors=True)
 
 
 def start_server(catalog: Path | None = None) -> Server:
