@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -108,7 +109,10 @@ def raw_limit(bodies: list[bytes]) -> float:
         tx.commit()
         conn.execute("COMMIT")
         n += len(events)
-    return n / (time.perf_counter() - t0)
+    rate = n / (time.perf_counter() - t0)
+    conn.close()
+    shutil.rmtree(folder, ignore_errors=True)
+    return rate
 
 
 def main() -> None:
