@@ -10,7 +10,9 @@ from litestar.openapi.plugins import SwaggerRenderPlugin
 
 from api.config import Settings
 from api.envelope import Reply, TraceIdMiddleware, handle_exception, ok
-from api.events.controller import EventsController
+from api.direct import DirectRoutes
+from api.events.controller import EventsController, record_event, record_event_batch
+from api.gate import controller as gate
 from api.gate.controller import GateController
 from api.runtime import Runtime
 
@@ -51,5 +53,12 @@ def create_app(settings: Settings) -> Litestar:
         debug=False,
     )
     app.state.runtime = runtime
-    app.asgi_handler = TraceIdMiddleware(app.asgi_handler)  # type: ignore[assignment]
+    # The hot POST routes skip Litestar's routing and middleware (see api/direct.py).
+    app.asgi_handler = DirectRoutes(TraceIdMiddleware(app.asgi_handler), app, {  # type: ignore[assignment]
+        "/mgt/v1/gate/authorize": gate.authorize,
+        "/mgt/v1/gate/commits": gate.commit,
+        "/mgt/v1/gate/cancel": gate.cancel,
+        "/mgt/v1/events": record_event,
+        "/mgt/v1/events/batch": record_event_batch,
+    })
     return app

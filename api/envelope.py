@@ -21,11 +21,11 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import AppError
 
-__all__ = ["Reply", "TraceIdMiddleware", "error_response", "handle_exception", "ok", "trace_id_of"]
+__all__ = ["CLIENT_TRACE_ID", "Reply", "TraceIdMiddleware", "error_response", "handle_exception", "ok", "trace_id_of"]
 
 log = logging.getLogger("tollgate.api")
 _encode = msgspec.json.encode
-_CLIENT_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
+CLIENT_TRACE_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
 JSON = "application/json"
 # Trace ids need to be unique, not secret: a per-process random prefix and a counter.
 _TRACE_PREFIX = os.urandom(6).hex()
@@ -130,7 +130,7 @@ class TraceIdMiddleware:
             return
         trace = None
         for name, value in scope["headers"]:
-            if name == b"x-request-id" and _CLIENT_ID.fullmatch(value):
+            if name == b"x-request-id" and CLIENT_TRACE_ID.fullmatch(value):
                 trace = value.decode()
                 break
         trace = trace or new_trace_id()

@@ -21,7 +21,7 @@ from api.runtime import Runtime
 from pipelines.catalog import Realm
 from pipelines.events import FieldError, ValidEvent, decode_event, validate_event
 
-__all__ = ["EventsController"]
+__all__ = ["EventsController", "record_event", "record_event_batch"]
 
 
 class _BatchIn(msgspec.Struct):
@@ -40,7 +40,7 @@ def _malformed(exc: Exception) -> BadRequest:
     return BadRequest("VALIDATION.MALFORMED_JSON", f"body is not a JSON object: {exc}")
 
 
-async def _event_call(request: Request[Any, Any, Any]) -> tuple[Runtime, bytes, Realm, str]:
+async def _event_call(request: Any) -> tuple[Runtime, bytes, Realm, str]:
     """Every event call: the raw body, its signature, and the account of the context."""
     runtime: Runtime = request.app.state.runtime
     body = await read_body(request)
@@ -55,79 +55,88 @@ class EventsController(Controller):
 
     @post("/", operation_id="record_billing_event", status_code=201)
     async def record(self, request: Request[Any, Any, Any]) -> Reply:
-        runtime, body, realm, account = await _event_call(request)
-        try:
-            item = decode_event(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise _malformed(exc) from None
-        result = validate_event(item, realm=realm.id, billing_account_id=account, now=utcnow(),
-                                max_future_skew_seconds=realm.settings.max_future_skew_seconds,
-                                floats_normalized=True)
-        if not isinstance(result, ValidEvent):
-            raise Unprocessable("VALIDATION.INVALID_INPUT", "the event is invalid", errors=_errors(result))
-        stored = (await runtime.write(IngestOp(realm.id, "single", [to_record(result)])))[0]
-        return ok(event_view(result, stored), status=201 if stored.accepted else 200)
+        return await record_event(request)
 
     @post("/batch", operation_id="record_billing_event_batch", status_code=207)
     async def record_batch(self, request: Request[Any, Any, Any]) -> Reply:
-        runtime, body, realm, account = await _event_call(request)
+        return await record_event_batch(request)
+
+
+# The handlers, callable with a Litestar request or an `api.direct.DirectRequest`.
+async def record_event(request: Any) -> Reply:
+    runtime, body, realm, account = await _event_call(request)
+    try:
+        item = decode_event(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise _malformed(exc) from None
+    result = validate_event(item, realm=realm.id, billing_account_id=account, now=utcnow(),
+                            max_future_skew_seconds=realm.settings.max_future_skew_seconds,
+                            floats_normalized=True)
+    if not isinstance(result, ValidEvent):
+        raise Unprocessable("VALIDATION.INVALID_INPUT", "the event is invalid", errors=_errors(result))
+    stored = (await runtime.write(IngestOp(realm.id, "single", [to_record(result)])))[0]
+    return ok(event_view(result, stored), status=201 if stored.accepted else 200)
+
+
+async def record_event_batch(request: Any) -> Reply:
+    runtime, body, realm, account = await _event_call(request)
+    try:
+        batch = _decode_batch(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        if isinstance(exc, msgspec.ValidationError) and "$.events" in str(exc):
+            raise Unprocessable("VALIDATION.INVALID_INPUT", "events must be an array of event objects",
+                                errors=[{"field": "events", "code": "VALIDATION.INVALID_TYPE",
+                                         "message": str(exc)}]) from None
+        raise _malformed(exc) from None
+    items = batch.events
+    limit = runtime.settings.max_batch_items
+    if items is None or not items:
+        raise Unprocessable("VALIDATION.INVALID_INPUT", f"a batch holds 1 to {limit} events",
+                            errors=[{"field": "events", "code": "VALIDATION.REQUIRED",
+                                     "message": "events must hold at least one event"}])
+    if len(items) > limit:
+        raise Unprocessable("VALIDATION.BATCH_TOO_LARGE",
+                            f"a batch holds at most {limit} events, got {len(items)}; nothing was written")
+    now = utcnow()
+    skew = realm.settings.max_future_skew_seconds
+    results: list[dict[str, Any]] = [{}] * len(items)
+    valid: list[tuple[int, ValidEvent]] = []
+    for index, raw in enumerate(items):
         try:
-            batch = _decode_batch(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            if isinstance(exc, msgspec.ValidationError) and "$.events" in str(exc):
-                raise Unprocessable("VALIDATION.INVALID_INPUT", "events must be an array of event objects",
-                                    errors=[{"field": "events", "code": "VALIDATION.INVALID_TYPE",
-                                             "message": str(exc)}]) from None
-            raise _malformed(exc) from None
-        items = batch.events
-        limit = runtime.settings.max_batch_items
-        if items is None or not items:
-            raise Unprocessable("VALIDATION.INVALID_INPUT", f"a batch holds 1 to {limit} events",
-                                errors=[{"field": "events", "code": "VALIDATION.REQUIRED",
-                                         "message": "events must hold at least one event"}])
-        if len(items) > limit:
-            raise Unprocessable("VALIDATION.BATCH_TOO_LARGE",
-                                f"a batch holds at most {limit} events, got {len(items)}; nothing was written")
-        now = utcnow()
-        skew = realm.settings.max_future_skew_seconds
-        results: list[dict[str, Any]] = [{}] * len(items)
-        valid: list[tuple[int, ValidEvent]] = []
-        for index, raw in enumerate(items):
-            try:
-                item = decode_event(raw)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                results[index] = {"index": index, "status": "invalid", "error": {
-                    "code": "VALIDATION.INVALID_TYPE", "message": "an event must be a JSON object",
-                    "field": f"events[{index}]"}}
-                continue
-            found = validate_event(item, realm=realm.id, billing_account_id=account, now=now,
-                                   max_future_skew_seconds=skew, floats_normalized=True)
-            if isinstance(found, ValidEvent):
-                valid.append((index, found))
-            else:
-                first = found[0]
-                results[index] = {"index": index, "status": "invalid", "error": {
-                    "code": first.code,
-                    "message": "; ".join(f"{e.field}: {e.message}" for e in found),
-                    "field": first.field}}
-        if valid:
-            try:
-                stored = await runtime.write(IngestOp(realm.id, "batch", [to_record(v) for _, v in valid]))
-            except AppError as exc:
-                if exc.status != 503:
-                    raise
-                for index, event in valid:
-                    results[index] = item_view(index, event, None, failure=str(exc))
-            else:
-                for (index, event), identity in zip(valid, stored, strict=False):
-                    results[index] = item_view(index, event, identity)
-        counts = {"accepted": 0, "duplicate": 0, "invalid": 0, "failed": 0}
-        for r in results:
-            counts[r["status"]] += 1
-        return ok({
-            "results": results,
-            "accepted_count": counts["accepted"],
-            "duplicate_count": counts["duplicate"],
-            "invalid_count": counts["invalid"],
-            "failed_count": counts["invalid"] + counts["failed"],
-        }, status=207)
+            item = decode_event(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            results[index] = {"index": index, "status": "invalid", "error": {
+                "code": "VALIDATION.INVALID_TYPE", "message": "an event must be a JSON object",
+                "field": f"events[{index}]"}}
+            continue
+        found = validate_event(item, realm=realm.id, billing_account_id=account, now=now,
+                               max_future_skew_seconds=skew, floats_normalized=True)
+        if isinstance(found, ValidEvent):
+            valid.append((index, found))
+        else:
+            first = found[0]
+            results[index] = {"index": index, "status": "invalid", "error": {
+                "code": first.code,
+                "message": "; ".join(f"{e.field}: {e.message}" for e in found),
+                "field": first.field}}
+    if valid:
+        try:
+            stored = await runtime.write(IngestOp(realm.id, "batch", [to_record(v) for _, v in valid]))
+        except AppError as exc:
+            if exc.status != 503:
+                raise
+            for index, event in valid:
+                results[index] = item_view(index, event, None, failure=str(exc))
+        else:
+            for (index, event), identity in zip(valid, stored, strict=False):
+                results[index] = item_view(index, event, identity)
+    counts = {"accepted": 0, "duplicate": 0, "invalid": 0, "failed": 0}
+    for r in results:
+        counts[r["status"]] += 1
+    return ok({
+        "results": results,
+        "accepted_count": counts["accepted"],
+        "duplicate_count": counts["duplicate"],
+        "invalid_count": counts["invalid"],
+        "failed_count": counts["invalid"] + counts["failed"],
+    }, status=207)

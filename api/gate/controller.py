@@ -31,7 +31,7 @@ from api.requests import authenticate, read_body
 from api.runtime import Runtime
 from pipelines.catalog import CODE_PATTERN, Realm
 
-__all__ = ["GateController"]
+__all__ = ["GateController", "authorize", "cancel", "commit"]
 
 _INT = re.compile(r"[0-9]+")
 _INT64_MAX = 2**63 - 1
@@ -102,15 +102,28 @@ class GateController(Controller):
 
     @post("/authorize", operation_id="gate_authorize", status_code=200)
     async def authorize(self, request: Request[Any, Any, Any]) -> Reply:
-        return await _handle(request, "authorize", _authorize)
+        return await authorize(request)
 
     @post("/commits", operation_id="gate_commit", status_code=200)
     async def commit(self, request: Request[Any, Any, Any]) -> Reply:
-        return await _handle(request, "commits", _commit)
+        return await commit(request)
 
     @post("/cancel", operation_id="gate_cancel", status_code=200)
     async def cancel(self, request: Request[Any, Any, Any]) -> Reply:
-        return await _handle(request, "cancel", _cancel)
+        return await cancel(request)
+
+
+# The handlers, callable with a Litestar request or an `api.direct.DirectRequest`.
+async def authorize(request: Any) -> Reply:
+    return await _handle(request, "authorize", _authorize)
+
+
+async def commit(request: Any) -> Reply:
+    return await _handle(request, "commits", _commit)
+
+
+async def cancel(request: Any) -> Reply:
+    return await _handle(request, "cancel", _cancel)
 
 
 class _Call:
@@ -129,7 +142,7 @@ class _Call:
         self.idem = idem
 
 
-async def _handle(request: Request[Any, Any, Any], endpoint: str, decide: Any) -> Reply:
+async def _handle(request: Any, endpoint: str, decide: Any) -> Reply:
     runtime: Runtime = request.app.state.runtime
     raw = await read_body(request)
     ctx = authenticate(runtime, request, raw)
