@@ -13,6 +13,7 @@ to a caller who has not proved they hold its secret.
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
 import hmac
 import re
@@ -49,7 +50,7 @@ class AuthContext:
 
 
 def content_digest(body: bytes) -> str:
-    return "sha-256=:" + base64.b64encode(hashlib.sha256(body).digest()).decode() + ":"
+    return "sha-256=:" + binascii.b2a_base64(hashlib.sha256(body).digest(), newline=False).decode() + ":"
 
 
 def _canonical(method: str, path: str, ts: str, nonce: str, headers: dict[str, str]) -> bytes:
@@ -80,8 +81,8 @@ def sign_headers(
             headers[name] = value
     ts = ts or datetime.now(timezone.utc).isoformat()
     nonce = nonce or secrets.token_hex(16)
-    mac = hmac.new(base64.b64decode(secret), _canonical(method, path, ts, nonce, headers), hashlib.sha256)
-    sig = base64.b64encode(mac.digest()).decode()
+    mac = hmac.digest(base64.b64decode(secret), _canonical(method, path, ts, nonce, headers), "sha256")
+    sig = binascii.b2a_base64(mac, newline=False).decode()
     headers["authorization"] = f"SVC-AUTH keyId={key_id},sig={sig},ts={ts},nonce={nonce},alg=HMAC-SHA256"
     return headers
 
@@ -110,6 +111,7 @@ class Authenticator:
     def __init__(self, skew_seconds: int) -> None:
         self.skew = skew_seconds
         self.keys: dict[str, ServiceKey] = {}
+        self._secrets: dict[str, bytes] = {}  # decoded secrets, by the key's base64 text
         # A nonce must be refused for as long as its ts could still pass the skew check.
         self._nonces = _NonceWindow(2 * skew_seconds + 1)
 
@@ -127,12 +129,17 @@ class Authenticator:
             raise Unauthorized("AUTH.SERVICE_KEY_NOT_FOUND", "unknown service key")
         if not hmac.compare_digest(headers.get("content-digest", "").encode(), content_digest(body).encode()):
             raise Unauthorized("AUTH.INVALID_SERVICE_SIGNATURE", "Content-Digest does not match the body")
-        expected = hmac.new(key.secret_bytes, _canonical(method, path, ts, nonce, headers), hashlib.sha256)
+        secret = self._secrets.get(key.secret)
+        if secret is None:
+            if len(self._secrets) > 1024:
+                self._secrets.clear()
+            secret = self._secrets[key.secret] = key.secret_bytes
+        expected = hmac.digest(secret, _canonical(method, path, ts, nonce, headers), "sha256")
         try:
-            given = base64.b64decode(sig, validate=True)
-        except ValueError:
+            given = binascii.a2b_base64(sig, strict_mode=True)
+        except binascii.Error:
             given = b""
-        if not hmac.compare_digest(given, expected.digest()):
+        if not hmac.compare_digest(given, expected):
             raise Unauthorized("AUTH.INVALID_SERVICE_SIGNATURE", "signature does not match")
         try:
             signed_at = msgspec.convert(ts, datetime)
