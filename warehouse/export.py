@@ -36,6 +36,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from warehouse.lake import attach_lake, with_lake_retry
+from warehouse.journal import run_in_background
 
 __all__ = ["BATCH_ROWS", "STREAMS", "ExportMismatch", "LakeExporter", "Watermark",
            "run_exporter_thread"]
@@ -376,6 +377,7 @@ def run_exporter_thread(op_conn: duckdb.DuckDBPyConnection, data_dir: Path,
     exporter = LakeExporter(data_dir)
 
     def loop() -> None:
+        run_in_background()
         pause = interval
         try:
             while True:

@@ -47,6 +47,23 @@ _decode = msgspec.msgpack.Decoder(tuple[int, dict[str, list[tuple[Any, ...]]]]).
 TableWriter = Callable[[duckdb.DuckDBPyConnection, list[tuple[Any, ...]]], None]
 
 
+BACKGROUND_NICENESS = 10
+
+
+def run_in_background() -> None:
+    """Lower the calling thread's scheduling priority (Linux: niceness is per thread).
+
+    The applier and the lake exporter share two cores with the requests' path (HTTP process,
+    writer loop). At equal priority the scheduler let them delay the replies; at niceness 10
+    they use the time the request path leaves, and their work waits at most until the
+    pending-rows limit makes the writer wait for them. Measured over 10,000 gate pairs in
+    three alternating runs each: authorize p99 12.3-14.4 ms against 14.6-18.0 ms."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICENESS)
+    except (AttributeError, OSError):
+        pass  # not Linux, or not allowed: stay at normal priority
+
+
 class Journal:
     """An append-only file of committed groups: [length][crc32][msgpack (seq, {table: rows})]."""
 
@@ -324,6 +341,7 @@ class JournaledStore:
         self._thread.start()
 
     def _apply_in_thread(self, batch: _Batch) -> None:
+        run_in_background()
         try:
             self._apply(self._applier_conn, batch)
         except BaseException as exc:
