@@ -161,7 +161,7 @@ def _rate_days(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, lateness: Mapp
         f"SELECT {rating_id_sql(run_id)}, '{run_id}', 'event', source_id, event_id, realm,"
         " billing_account_id, status, policy_id, policy_version, feature_code, meter_code,"
         " quantity_minor, price_id, unit_price_xusd, unit_quantity_minor, amount_xusd,"
-        f" occurred_at, {rated_at}, line_index FROM ({described})")
+        f" occurred_at, {rated_at}, line_index, CAST(NULL AS BIGINT) FROM ({described})")
     reversals = reversal_rows_sql(
         run_id, rated_at,
         f"(SELECT p.* FROM {_PREVIOUS} AS p JOIN {_DAYS} AS d"

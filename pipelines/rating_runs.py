@@ -35,9 +35,13 @@ from types import TracebackType
 
 import duckdb
 
+from pipelines.rating_plan import LINE_CATALOG
+from warehouse.lake import with_lake_retry
+
 __all__ = [
     "BATCH_KINDS",
     "RATING_COLUMNS",
+    "STORED_COLUMNS",
     "RatingLock",
     "RunSummary",
     "current_ratings_sql",
@@ -54,6 +58,10 @@ RATING_COLUMNS = (
     "policy_id, policy_version, feature_code, meter_code, quantity_minor, price_id, "
     "unit_price_xusd, unit_quantity_minor, amount_xusd, occurred_at, rated_at, line_index"
 )
+
+# What a run writes to lake.rating_rows: the view's columns and the row's line_id (NULL for
+# a row that spells out its description; see warehouse.lake).
+STORED_COLUMNS = RATING_COLUMNS + ", line_id"
 
 _BATCH_KIND_LIST = ", ".join(f"'{kind}'" for kind in BATCH_KINDS)
 
@@ -86,7 +94,8 @@ def reversal_rows_sql(run_id: str, rated_at: str, current: str) -> str:
         f"SELECT {rating_id_sql(run_id, reversal=True)}, '{run_id}', source, source_id, event_id,"
         " realm, billing_account_id, 'reversal', policy_id, policy_version, feature_code,"
         " meter_code, -quantity_minor, price_id, unit_price_xusd, unit_quantity_minor,"
-        f" -amount_xusd, occurred_at, {rated_at}, line_index FROM {current} WHERE status = 'rated'"
+        f" -amount_xusd, occurred_at, {rated_at}, line_index, CAST(NULL AS BIGINT)"
+        f" FROM {current} WHERE status = 'rated'"
     )
 
 
@@ -169,28 +178,60 @@ def current_ratings_sql() -> str:
 
 def write_run(conn: duckdb.DuckDBPyConnection, *, run_id: str, kind: str, started_at: datetime,
               params: Mapping[str, object], rows_sql: str, events: int | None) -> RunSummary:
-    """Append the rows of `rows_sql` (columns of RATING_COLUMNS, in order) to lake.ratings and
-    the run's completed lake.rating_runs row, in one lake transaction. `events` None: the
-    distinct event ids among the rows just written (counted inside the transaction)."""
+    """Append the rows of `rows_sql` (columns of STORED_COLUMNS, in order) to lake.rating_rows,
+    the line kinds of the installed rating plan that the lake lacks, and the run's completed
+    lake.rating_runs row, in one lake transaction. `events` None: the distinct event ids
+    among the rows just written (counted inside the transaction).
+
+    The SQLite catalog refuses a commit while another process reads it ("database is
+    locked"); nothing of the transaction is kept then, so it is run again."""
     began = time.monotonic()
-    conn.execute("BEGIN")
-    try:
-        inserted = conn.execute(f"INSERT INTO lake.ratings ({RATING_COLUMNS}) {rows_sql}").fetchone()
-        count = int(inserted[0]) if inserted else 0
-        if events is None:
-            found = conn.execute("SELECT count(DISTINCT event_id) FROM lake.ratings WHERE run_id = ?",
-                                 [run_id]).fetchone()
-            events = int(found[0]) if found else 0
-        finished_at = datetime.now(timezone.utc)
-        conn.execute(
-            "INSERT INTO lake.rating_runs VALUES (?, ?, 'completed', ?, ?, ?, ?, ?)",
-            [run_id, kind, started_at, finished_at, json.dumps(dict(params), sort_keys=True),
-             events, count])
-        conn.execute("COMMIT")
-    except BaseException:
+    # Runs are serialized by the rating lock, so no kind is ever recorded twice; a kind that
+    # no row names yet is harmless, so they go first, on their own.
+    missing = conn.execute(
+        "SELECT line_id, status, policy_id, policy_version, feature_code, meter_code, line_index"
+        f" FROM {LINE_CATALOG} WHERE line_id NOT IN (SELECT line_id FROM lake.rating_line_kinds)"
+    ).fetchall()
+    if missing:
+        def record_kinds() -> None:
+            conn.execute("BEGIN")
+            try:
+                conn.executemany("INSERT INTO lake.rating_line_kinds VALUES (?, ?, ?, ?, ?, ?, ?)",
+                                 missing)
+                conn.execute("COMMIT")
+            except BaseException:
+                _rollback(conn)
+                raise
+        with_lake_retry(record_kinds)
+
+    def write() -> tuple[int, int]:
+        conn.execute("BEGIN")
         try:
-            conn.execute("ROLLBACK")
-        except duckdb.Error:
-            pass  # a failed COMMIT has already ended the transaction
-        raise
-    return RunSummary(run_id, kind, events, count, time.monotonic() - began)
+            inserted = conn.execute(
+                f"INSERT INTO lake.rating_rows ({STORED_COLUMNS}) {rows_sql}").fetchone()
+            count = int(inserted[0]) if inserted else 0
+            counted = events
+            if counted is None:
+                found = conn.execute("SELECT count(DISTINCT event_id) FROM lake.rating_rows"
+                                     " WHERE run_id = ?", [run_id]).fetchone()
+                counted = int(found[0]) if found else 0
+            finished_at = datetime.now(timezone.utc)
+            conn.execute(
+                "INSERT INTO lake.rating_runs VALUES (?, ?, 'completed', ?, ?, ?, ?, ?)",
+                [run_id, kind, started_at, finished_at, json.dumps(dict(params), sort_keys=True),
+                 counted, count])
+            conn.execute("COMMIT")
+        except BaseException:
+            _rollback(conn)
+            raise
+        return counted, count
+
+    written, lines = with_lake_retry(write, attempts=10)
+    return RunSummary(run_id, kind, written, lines, time.monotonic() - began)
+
+
+def _rollback(conn: duckdb.DuckDBPyConnection) -> None:
+    try:
+        conn.execute("ROLLBACK")
+    except duckdb.Error:
+        pass  # a failed COMMIT has already ended the transaction

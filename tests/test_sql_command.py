@@ -172,8 +172,8 @@ def build_lake(data_dir: Path) -> dict[str, str]:
     for line, meter, qty, old, new in ((0, "llm.input_tokens", 1000, 150, 200), (1, "llm.output_tokens", 500, 300, 400)):
         for status, q, amount in (("reversal", -qty, -old), ("rated", qty, new)):
             lake.execute(
-                "INSERT INTO lake.ratings VALUES (?, ?, 'event', ?, ?::UUID, 'acme', 'acct_b', ?, "
-                "'llm-completions', '2026-11', 'llm.chat', ?, ?, NULL, NULL, NULL, ?, ?, ?, ?)",
+                "INSERT INTO lake.rating_rows VALUES (?, ?, 'event', ?, ?::UUID, 'acme', 'acct_b', ?, "
+                "'llm-completions', '2026-11', 'llm.chat', ?, ?, NULL, NULL, NULL, ?, ?, ?, ?, NULL)",
                 [f"{run}-{status}-{line}", run, ids["e3"], ids["e3"], status, meter, q, amount,
                  occurred["e3"], at, line])
     lake.close()
@@ -245,7 +245,7 @@ def test_table_aligns_columns(lake_dir: Path) -> None:
 
 @pytest.mark.parametrize("statement", [
     "INSERT INTO events (realm) VALUES ('x')",
-    "DELETE FROM ratings",
+    "DELETE FROM rating_rows",
     "CREATE TABLE stolen AS SELECT 1 AS x",
 ])
 def test_a_write_statement_fails_with_exit_code_1(lake_dir: Path, statement: str) -> None:

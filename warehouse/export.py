@@ -4,8 +4,8 @@ Three streams leave the operational file, each ordered by its `seq` (the writer 
 in commit order, so a snapshot of a table always holds a prefix of its seqs):
 
     events          -> lake.events (every column and the export id) and lake.event_labels
-    commit_lines    -> lake.ratings (source gate_commit, run 'gate')
-    inline_ratings  -> lake.ratings (source event, run 'inline' unless the row names one)
+    commit_lines    -> lake.rating_rows (source gate_commit, run 'gate'; read as lake.ratings)
+    inline_ratings  -> lake.rating_rows (source event, run 'inline' unless the row names one)
 
 A round reads, per stream, the rows after the stream's watermark (`export_watermarks` in the
 operational file), writes all of them to the lake in ONE lake transaction together with one
@@ -54,9 +54,9 @@ _IDENTITY: dict[str, tuple[str, str]] = {
     "events": ("SELECT event_id::VARCHAR FROM events WHERE seq = ?",
                "SELECT count(*) FROM lake.events WHERE event_id = ?::UUID AND seq = ?"),
     "commit_lines": ("SELECT line_id FROM commit_lines WHERE seq = ?",
-                     "SELECT count(*) FROM lake.ratings WHERE rating_id = ? AND source = 'gate_commit'"),
+                     "SELECT count(*) FROM lake.rating_rows WHERE rating_id = ? AND source = 'gate_commit'"),
     "inline_ratings": ("SELECT rating_id FROM inline_ratings WHERE seq = ?",
-                       "SELECT count(*) FROM lake.ratings WHERE rating_id = ? AND source = 'event'"),
+                       "SELECT count(*) FROM lake.rating_rows WHERE rating_id = ? AND source = 'event'"),
 }
 
 _RATING_COLUMNS = (
@@ -326,7 +326,7 @@ class LakeExporter:
     @staticmethod
     def _write_commit_lines(lake: duckdb.DuckDBPyConnection, name: str) -> None:
         lake.execute(
-            f"INSERT INTO lake.ratings ({_RATING_COLUMNS}) "
+            f"INSERT INTO lake.rating_rows ({_RATING_COLUMNS}) "
             "SELECT line_id, 'gate', 'gate_commit', commit_id, NULL, realm, billing_account_id, "
             "'rated', NULL, NULL, feature_code, meter_code, quantity_minor, price_id, "
             "unit_price_xusd, unit_quantity_minor, amount_xusd, committed_at, committed_at, "
@@ -339,7 +339,7 @@ class LakeExporter:
         source_id = ("coalesce(source_id, event_id::VARCHAR)" if "source_id" in columns
                      else "event_id::VARCHAR")
         lake.execute(
-            f"INSERT INTO lake.ratings ({_RATING_COLUMNS}) "
+            f"INSERT INTO lake.rating_rows ({_RATING_COLUMNS}) "
             f"SELECT rating_id, {run_id}, 'event', {source_id}, event_id::UUID, realm, "
             "billing_account_id, status, policy_id, policy_version, feature_code, meter_code, "
             "quantity_minor, price_id, unit_price_xusd, unit_quantity_minor, amount_xusd, "
