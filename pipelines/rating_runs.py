@@ -137,7 +137,7 @@ class RatingLock:
 def batch_runs_sql() -> str:
     """Completed batch runs with their order: later runs supersede earlier ones."""
     return (
-        "SELECT run_id, kind, finished_at, params FROM lake.rating_runs"
+        "SELECT run_id, kind, started_at, finished_at, params FROM lake.rating_runs"
         f" WHERE status = 'completed' AND kind IN ({_BATCH_KIND_LIST})"
     )
 

@@ -32,7 +32,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import duckdb
@@ -97,11 +97,18 @@ def event_rows_sql(run_id: str, rated_at: datetime, priced: str) -> str:
     )
 
 
-def _watermark(conn: duckdb.DuckDBPyConnection) -> int:
+def _watermark(conn: duckdb.DuckDBPyConnection) -> tuple[int, datetime | None]:
+    """(the greatest export id a completed sweep had looked at, when that sweep started)."""
     row = conn.execute(
-        "SELECT coalesce(max(CAST(json_extract_string(params, '$.through_export_id') AS BIGINT)), -1)"
-        f" FROM ({batch_runs_sql()}) WHERE kind = 'sweep'").fetchone()
-    return int(row[0]) if row else -1
+        "SELECT CAST(json_extract_string(params, '$.through_export_id') AS BIGINT), started_at"
+        f" FROM ({batch_runs_sql()}) WHERE kind = 'sweep'"
+        " AND json_extract_string(params, '$.through_export_id') IS NOT NULL"
+        " ORDER BY 1 DESC, started_at DESC LIMIT 1").fetchone()
+    return (int(row[0]), row[1]) if row else (-1, None)
+
+
+# Runs on other machines may stamp their start with a clock that is a little off.
+CLOCK_MARGIN = timedelta(hours=1)
 
 
 def _write_chunk(conn: duckdb.DuckDBPyConnection, lines: str, params: dict[str, object], *,
@@ -133,17 +140,28 @@ def sweep_locked(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, *,
     """`sweep` for a caller that already holds the rating lock. `scratch` is a folder for
     the lines between the two passes (a temporary folder when None)."""
     plan.install(conn)
-    watermark = _watermark(conn)
-    row = conn.execute("SELECT coalesce(max(export_id), -1) FROM lake.events").fetchone()
+    watermark, since = _watermark(conn)
+    row = conn.execute("SELECT coalesce(max(export_id), -1), count(*) FILTER (export_id IS NULL)"
+                       " FROM lake.events").fetchone()
     through = max(watermark, int(row[0]) if row else -1)
+    unexported = bool(row and row[1])
     candidates = f"(e.export_id IS NULL OR e.export_id > {watermark})"
     chunks = plan_chunks(conn, candidates, chunk_events)
     if not chunks:
         return []
+    # An event exported after the watermark sweep started can only have been rated by a run
+    # that started after it (runs hold the rating lock one at a time), so only those runs'
+    # rows are looked up: a sweep's cost follows what is new, not the size of the lake. An
+    # event without an export id (loaded into the lake by hand) is checked against all runs.
+    recent = "TRUE" if since is None else f"b.started_at >= {sql_instant(since - CLOCK_MARGIN)}"
     rated = (f"SELECT r.event_id FROM lake.rating_rows AS r JOIN ({batch_runs_sql()}) AS b"
              " ON b.run_id = r.run_id WHERE r.source = 'event' AND r.event_id IS NOT NULL")
-    pending = (f"(SELECT e.* FROM lake.events AS e ANTI JOIN ({rated}) AS r"
-               f" ON r.event_id = e.event_id WHERE {candidates})")
+    pending = (f"(SELECT e.* FROM lake.events AS e ANTI JOIN ({rated} AND {recent}) AS r"
+               f" ON r.event_id = e.event_id WHERE e.export_id > {watermark}")
+    if unexported:
+        pending += (f" UNION ALL SELECT e.* FROM lake.events AS e ANTI JOIN ({rated}) AS r"
+                    " ON r.event_id = e.event_id WHERE e.export_id IS NULL")
+    pending += ")"
     priced = priced_sql("(" + plan.lines_sql(pending) + ")")
     if len(chunks) == 1:
         # One chunk: rate, price, carry and write in one statement, with no scratch files.

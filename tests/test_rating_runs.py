@@ -4,6 +4,7 @@ with events put in the lake by the real outbox and exporter and amounts worked o
 from __future__ import annotations
 
 import multiprocessing
+import uuid
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -321,3 +322,27 @@ def test_a_run_that_dies_mid_way_leaves_nothing_and_the_next_sweep_resumes(lake:
     assert resumed.events == 10
     per_event = dict(rows(conn, "SELECT source_id, count(DISTINCT run_id) FROM lake.ratings GROUP BY ALL"))
     assert sorted(per_event) == sorted(ids) and set(per_event.values()) == {1}
+
+
+def test_a_sweep_skips_what_a_later_rerate_rated_and_what_any_run_rated_without_export(lake: Any) -> None:
+    """The sweep looks up only the runs since its watermark for exported events, and every
+    run for an event loaded without an export id: neither kind is ever rated twice."""
+    data_dir, feed, conn = lake
+    plan = apply_catalog(data_dir, catalog_toml(policies=policy("llm", ("v1", "2026-01-01T00:00:00Z", LLM_V1)),
+                                                prices=PRICES))
+    [old] = feed.add(llm("acct_a", "2026-11-05T00:00:00Z", 1000))
+    assert [r.events for r in sweep(conn, plan, lock(data_dir))] == [1]
+    # Exported after the watermark, then rated by a rerate before any sweep saw it.
+    [new] = feed.add(llm("acct_a", "2026-11-06T00:00:00Z", 2000))
+    [run] = rerate(conn, plan, lock(data_dir), occurred_from=datetime(2026, 11, 6, tzinfo=timezone.utc),
+                   occurred_to=datetime(2026, 11, 7, tzinfo=timezone.utc))
+    assert run.events == 1
+    # Loaded by hand, without an export id: rated by the next sweep, then never again.
+    loose = str(uuid.uuid4())
+    conn.execute("INSERT INTO lake.events SELECT * REPLACE (CAST(? AS UUID) AS event_id, NULL AS export_id)"
+                 " FROM lake.events WHERE event_id = ?", [loose, old])
+    assert sum(r.events for r in sweep(conn, plan, lock(data_dir))) == 1
+    assert sum(r.events for r in sweep(conn, plan, lock(data_dir))) == 0
+    per_event = dict(rows(conn, "SELECT source_id, count(DISTINCT run_id) FROM lake.ratings"
+                                " WHERE status = 'rated' GROUP BY source_id"))
+    assert per_event == {old: 1, new: 1, loose: 1}
