@@ -23,7 +23,7 @@ import msgspec
 from litestar import Litestar
 from litestar.types import ASGIApp, Receive, Scope, Send
 
-from api.envelope import CLIENT_TRACE_ID, Reply, error_body, new_trace_id
+from api.envelope import Reply, error_body, request_trace_id
 from api.errors import AppError
 
 __all__ = ["DirectRequest", "DirectRoutes", "Handler"]
@@ -61,12 +61,7 @@ class DirectRoutes:
         await self.app(scope, receive, send)
 
     async def _serve(self, handler: Handler, scope: Any, receive: Receive, send: Send) -> None:
-        trace = None
-        for name, value in scope["headers"]:
-            if name == b"x-request-id" and CLIENT_TRACE_ID.fullmatch(value):
-                trace = value.decode()
-                break
-        trace = trace or new_trace_id()
+        trace = request_trace_id(scope["headers"])
         state = scope.get("state")
         if state is None:
             scope["state"] = state = {}

@@ -21,7 +21,8 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import AppError
 
-__all__ = ["CLIENT_TRACE_ID", "Reply", "TraceIdMiddleware", "error_response", "handle_exception", "ok", "trace_id_of"]
+__all__ = ["CLIENT_TRACE_ID", "Reply", "TraceIdMiddleware", "error_response", "handle_exception", "ok",
+           "request_trace_id", "trace_id_of"]
 
 log = logging.getLogger("tollgate.api")
 _encode = msgspec.json.encode
@@ -117,6 +118,14 @@ def handle_exception(request: Request[Any, Any, Any], exc: Exception) -> Respons
                     status_code=500, media_type=JSON)
 
 
+def request_trace_id(headers: list[tuple[bytes, bytes]]) -> str:
+    """The caller's X-Request-Id when it is sane, else a new trace id."""
+    for name, value in headers:
+        if name == b"x-request-id" and CLIENT_TRACE_ID.fullmatch(value):
+            return value.decode()
+    return new_trace_id()
+
+
 class TraceIdMiddleware:
     """Gives each request a trace id (the caller's X-Request-Id when it is sane) and stamps it
     on the response as X-Request-Id. Raw ASGI, so it costs next to nothing."""
@@ -128,12 +137,7 @@ class TraceIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        trace = None
-        for name, value in scope["headers"]:
-            if name == b"x-request-id" and CLIENT_TRACE_ID.fullmatch(value):
-                trace = value.decode()
-                break
-        trace = trace or new_trace_id()
+        trace = request_trace_id(scope["headers"])
         scope.setdefault("state", {})["trace_id"] = trace
         raw = trace.encode()
 

@@ -35,8 +35,8 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from warehouse.lake import attach_lake, with_lake_retry
 from warehouse.journal import run_in_background
+from warehouse.lake import attach_lake, with_lake_retry
 
 __all__ = ["BATCH_ROWS", "STREAMS", "ExportMismatch", "LakeExporter", "Watermark",
            "run_exporter_thread"]
