@@ -190,7 +190,8 @@ def write_run(conn: duckdb.DuckDBPyConnection, *, run_id: str, kind: str, starte
     # no row names yet is harmless, so they go first, on their own.
     missing = conn.execute(
         "SELECT line_id, status, policy_id, policy_version, feature_code, meter_code, line_index"
-        f" FROM {LINE_CATALOG} WHERE line_id NOT IN (SELECT line_id FROM lake.rating_line_kinds)"
+        f" FROM {LINE_CATALOG} AS c WHERE NOT EXISTS"
+        " (SELECT 1 FROM lake.rating_line_kinds AS k WHERE k.line_id = c.line_id)"
     ).fetchall()
     if missing:
         def record_kinds() -> None:

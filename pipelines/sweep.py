@@ -98,12 +98,13 @@ def event_rows_sql(run_id: str, rated_at: datetime, priced: str) -> str:
 
 
 def _watermark(conn: duckdb.DuckDBPyConnection) -> tuple[int, datetime | None]:
-    """(the greatest export id a completed sweep had looked at, when that sweep started)."""
+    """(the greatest export id a completed sweep had looked at, when that sweep read it)."""
     row = conn.execute(
-        "SELECT CAST(json_extract_string(params, '$.through_export_id') AS BIGINT), started_at"
+        "SELECT CAST(json_extract_string(params, '$.through_export_id') AS BIGINT),"
+        " coalesce(CAST(json_extract_string(params, '$.through_read_at') AS TIMESTAMPTZ), started_at)"
         f" FROM ({batch_runs_sql()}) WHERE kind = 'sweep'"
         " AND json_extract_string(params, '$.through_export_id') IS NOT NULL"
-        " ORDER BY 1 DESC, started_at DESC LIMIT 1").fetchone()
+        " ORDER BY 1 DESC, 2 DESC LIMIT 1").fetchone()
     return (int(row[0]), row[1]) if row else (-1, None)
 
 
@@ -141,6 +142,7 @@ def sweep_locked(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, *,
     the lines between the two passes (a temporary folder when None)."""
     plan.install(conn)
     watermark, since = _watermark(conn)
+    read_at = datetime.now(timezone.utc)  # before the greatest export id is read
     row = conn.execute("SELECT coalesce(max(export_id), -1), count(*) FILTER (export_id IS NULL)"
                        " FROM lake.events").fetchone()
     through = max(watermark, int(row[0]) if row else -1)
@@ -149,9 +151,10 @@ def sweep_locked(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, *,
     chunks = plan_chunks(conn, candidates, chunk_events)
     if not chunks:
         return []
-    # An event exported after the watermark sweep started can only have been rated by a run
-    # that started after it (runs hold the rating lock one at a time), so only those runs'
-    # rows are looked up: a sweep's cost follows what is new, not the size of the lake. An
+    # An event exported beyond the watermark was not in the lake when the watermark sweep
+    # read it, so only a run that started after that moment can have rated it (runs hold
+    # the rating lock one at a time; the sweep's own chunks start later still): only those
+    # runs' rows are looked up: a sweep's cost follows what is new, not the size of the lake. An
     # event without an export id (loaded into the lake by hand) is checked against all runs.
     recent = "TRUE" if since is None else f"b.started_at >= {sql_instant(since - CLOCK_MARGIN)}"
     rated = (f"SELECT r.event_id FROM lake.rating_rows AS r JOIN ({batch_runs_sql()}) AS b"
@@ -167,7 +170,8 @@ def sweep_locked(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, *,
         # One chunk: rate, price, carry and write in one statement, with no scratch files.
         return [_write_chunk(conn, f"({priced})", {"buckets": [chunks[0].first_bucket,
                                                                chunks[0].last_bucket],
-                                                   "through_export_id": through},
+                                                   "through_export_id": through,
+                                                   "through_read_at": read_at.isoformat()},
                              events=None, progress=progress, total=chunks[0].events)]
     if scratch is not None:
         scratch.mkdir(parents=True, exist_ok=True)
@@ -196,6 +200,7 @@ def sweep_locked(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, *,
                 if last:
                     # Every candidate up to this export id has now been looked at by a sweep.
                     params["through_export_id"] = through
+                    params["through_read_at"] = read_at.isoformat()
                 runs.append(_write_chunk(conn, lines, params, events=events))
             shutil.rmtree(files, ignore_errors=True)
             done += chunk.events

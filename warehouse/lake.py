@@ -192,18 +192,25 @@ def _exists(conn: duckdb.DuckDBPyConnection, alias: str, name: str, *, view: boo
 
 def _upgrade(conn: duckdb.DuckDBPyConnection, alias: str) -> None:
     """A lake written before `ratings` became a view holds its rows in a table of that name:
-    it becomes `rating_rows`, with the line_id column (NULL: every old row is described)."""
-    if _exists(conn, alias, "ratings", view=False) and not _exists(conn, alias, "rating_rows", view=False):
-        def rename() -> None:
-            conn.execute("BEGIN")
+    it becomes `rating_rows`, with the line_id column (NULL: every old row is described).
+    Checked again inside each attempt: another process may have upgraded it meanwhile."""
+    def rename() -> None:
+        if not _exists(conn, alias, "ratings", view=False) or _exists(conn, alias, "rating_rows", view=False):
+            return
+        conn.execute("BEGIN")
+        try:
+            conn.execute(f"ALTER TABLE {alias}.ratings RENAME TO rating_rows")
+            conn.execute(f"ALTER TABLE {alias}.rating_rows ADD COLUMN line_id BIGINT")
+            conn.execute("COMMIT")
+        except BaseException:
             try:
-                conn.execute(f"ALTER TABLE {alias}.ratings RENAME TO rating_rows")
-                conn.execute(f"ALTER TABLE {alias}.rating_rows ADD COLUMN line_id BIGINT")
-                conn.execute("COMMIT")
-            except BaseException:
                 conn.execute("ROLLBACK")
-                raise
-        with_lake_retry(rename)
+            except duckdb.Error:
+                pass  # a failed COMMIT has already ended the transaction
+            if _exists(conn, alias, "rating_rows", view=False):
+                return  # another process upgraded it first
+            raise
+    with_lake_retry(rename)
 
 
 def connect_lake(data_dir: Path, *, read_only: bool = False) -> duckdb.DuckDBPyConnection:

@@ -1,0 +1,75 @@
+"""The lake's `ratings` view over `rating_rows`, and the upgrade of a lake from before it."""
+
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+from warehouse.lake import LAKE_TABLES, _load_extensions, connect_lake, lake_paths
+
+OLD_COLUMNS = LAKE_TABLES["rating_rows"].replace(", line_id BIGINT", "")
+EVENT = "5f0c2a8e-8e8e-4c1a-9a57-3d8a5a0e2b11"
+
+
+def _old_lake(data_dir: Path) -> None:
+    """A lake as written before: `ratings` a table with one described row."""
+    catalog, data = lake_paths(data_dir)
+    catalog.parent.mkdir(parents=True, exist_ok=True)
+    data.mkdir(parents=True, exist_ok=True)
+    conn = duckdb.connect()
+    _load_extensions(conn)
+    conn.execute(f"ATTACH 'ducklake:sqlite:{catalog}' AS lake (DATA_PATH '{data}/')")
+    conn.execute(f"CREATE TABLE lake.ratings ({OLD_COLUMNS})")
+    conn.execute("INSERT INTO lake.ratings VALUES ('r-1', 'sweep-x-abc', 'event', ?, ?, 'acme', 'acct_a',"
+                 " 'rated', 'llm', 'v1', 'llm.chat', 'tokens.in', 10, 'p', 150, 1000, 2,"
+                 " TIMESTAMPTZ '2026-11-01 00:00:00+00', TIMESTAMPTZ '2026-11-02 00:00:00+00', 0)",
+                 [EVENT, EVENT])
+    conn.close()
+
+
+def _attach(data_dir: str, start: Any, results: Any) -> None:
+    start.wait()
+    try:
+        conn = connect_lake(Path(data_dir))
+        results.put(conn.execute("SELECT count(*) FROM lake.ratings").fetchone()[0])
+        conn.close()
+    except Exception as exc:  # reported to the test, which fails on it
+        results.put(repr(exc))
+
+
+def test_an_old_lake_is_upgraded_once_even_by_two_processes_at_once(tmp_path: Path) -> None:
+    _old_lake(tmp_path)
+    context = multiprocessing.get_context("spawn")
+    start, results = context.Event(), context.Queue()
+    workers = [context.Process(target=_attach, args=(str(tmp_path), start, results)) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    start.set()
+    for worker in workers:
+        worker.join(120)
+    assert [results.get(timeout=5) for _ in workers] == [1, 1]
+    conn = connect_lake(tmp_path)
+    assert conn.execute("SELECT rating_id, source_id, status, line_index, amount_xusd FROM lake.ratings"
+                        ).fetchall() == [("r-1", EVENT, "rated", 0, 2)]
+    assert conn.execute("SELECT line_id FROM lake.rating_rows").fetchall() == [(None,)]
+
+
+def test_a_row_with_a_line_id_reads_as_a_described_row(tmp_path: Path) -> None:
+    conn = connect_lake(tmp_path)
+    conn.execute("INSERT INTO lake.rating_line_kinds VALUES (42, 'rated', 'llm', 'v2', 'llm.chat', 'tokens.out', 1)")
+    conn.execute("INSERT INTO lake.rating_rows (run_id, source, event_id, realm, billing_account_id,"
+                 " quantity_minor, amount_xusd, line_id) VALUES ('sweep-20261101T000000000000Z-a1b2c3', 'event',"
+                 " ?, 'acme', 'acct_a', 7, 3, 42)", [EVENT])
+    assert conn.execute(
+        "SELECT rating_id, source_id, status, policy_id, policy_version, feature_code, meter_code, line_index,"
+        " quantity_minor, amount_xusd FROM lake.ratings").fetchall() == [
+        (f"{EVENT}:1:a1b2c3", EVENT, "rated", "llm", "v2", "llm.chat", "tokens.out", 1, 7, 3)]
+    # Read-only, under another name, the view binds to its own lake.
+    other = duckdb.connect()
+    _load_extensions(other)
+    catalog, data = lake_paths(tmp_path)
+    other.execute(f"ATTACH 'ducklake:sqlite:{catalog}' AS elsewhere (DATA_PATH '{data}/', READ_ONLY)")
+    assert other.execute("SELECT status FROM elsewhere.ratings").fetchall() == [("rated",)]
