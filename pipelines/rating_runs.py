@@ -177,11 +177,12 @@ def current_ratings_sql() -> str:
 
 
 def write_run(conn: duckdb.DuckDBPyConnection, *, run_id: str, kind: str, started_at: datetime,
-              params: Mapping[str, object], rows_sql: str, events: int | None) -> RunSummary:
+              params: Mapping[str, object], rows_sql: str, events: int | str | None) -> RunSummary:
     """Append the rows of `rows_sql` (columns of STORED_COLUMNS, in order) to lake.rating_rows,
     the line kinds of the installed rating plan that the lake lacks, and the run's completed
-    lake.rating_runs row, in one lake transaction. `events` None: the distinct event ids
-    among the rows just written (counted inside the transaction).
+    lake.rating_runs row, in one lake transaction. `events`: the number of events rated;
+    a query giving it (run inside the transaction, before the rows are written, so it sees
+    what `rows_sql` reads); or None: the distinct event ids among the rows just written.
 
     The SQLite catalog refuses a commit while another process reads it ("database is
     locked"); nothing of the transaction is kept then, so it is run again."""
@@ -208,10 +209,14 @@ def write_run(conn: duckdb.DuckDBPyConnection, *, run_id: str, kind: str, starte
     def write() -> tuple[int, int]:
         conn.execute("BEGIN")
         try:
+            counted_first: int | None = None
+            if isinstance(events, str):
+                found = conn.execute(events).fetchone()
+                counted_first = int(found[0]) if found else 0
             inserted = conn.execute(
                 f"INSERT INTO lake.rating_rows ({STORED_COLUMNS}) {rows_sql}").fetchone()
             count = int(inserted[0]) if inserted else 0
-            counted = events
+            counted = counted_first if isinstance(events, str) else events
             if counted is None:
                 found = conn.execute("SELECT count(DISTINCT event_id) FROM lake.rating_rows"
                                      " WHERE run_id = ?", [run_id]).fetchone()

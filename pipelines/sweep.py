@@ -113,7 +113,7 @@ CLOCK_MARGIN = timedelta(hours=1)
 
 
 def _write_chunk(conn: duckdb.DuckDBPyConnection, lines: str, params: dict[str, object], *,
-                 events: int | None, progress: Progress | None = None, total: int = 0) -> RunSummary:
+                 events: int | str | None, progress: Progress | None = None, total: int = 0) -> RunSummary:
     """One chunk's lines (priced, before the carry) as one sweep run."""
     started_at = datetime.now(timezone.utc)
     began = time.monotonic()
@@ -172,7 +172,8 @@ def sweep_locked(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, *,
                                                                chunks[0].last_bucket],
                                                    "through_export_id": through,
                                                    "through_read_at": read_at.isoformat()},
-                             events=None, progress=progress, total=chunks[0].events)]
+                             events=f"SELECT count(*) FROM {pending}", progress=progress,
+                             total=chunks[0].events)]
     if scratch is not None:
         scratch.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix="sweep-", dir=scratch))
