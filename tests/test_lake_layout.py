@@ -8,7 +8,7 @@ from typing import Any
 
 import duckdb
 
-from warehouse.lake import LAKE_TABLES, _load_extensions, connect_lake, lake_paths
+from warehouse.lake import LAKE_TABLES, RATINGS_VIEW_VERSION, _load_extensions, connect_lake, lake_paths
 
 OLD_COLUMNS = LAKE_TABLES["rating_rows"].replace(", line_id BIGINT", "")
 EVENT = "5f0c2a8e-8e8e-4c1a-9a57-3d8a5a0e2b11"
@@ -73,3 +73,16 @@ def test_a_row_with_a_line_id_reads_as_a_described_row(tmp_path: Path) -> None:
     catalog, data = lake_paths(tmp_path)
     other.execute(f"ATTACH 'ducklake:sqlite:{catalog}' AS elsewhere (DATA_PATH '{data}/', READ_ONLY)")
     assert other.execute("SELECT status FROM elsewhere.ratings").fetchall() == [("rated",)]
+
+
+def test_a_view_of_another_version_is_replaced_on_the_next_writable_attach(tmp_path: Path) -> None:
+    conn = connect_lake(tmp_path)
+    conn.execute("CREATE OR REPLACE VIEW lake.ratings AS SELECT 1 AS stale")
+    conn.close()
+    conn = connect_lake(tmp_path, read_only=True)               # a reader changes nothing
+    assert [c[0] for c in conn.execute("SELECT * FROM lake.ratings").description] == ["stale"]
+    conn.close()
+    conn = connect_lake(tmp_path)
+    assert "rating_id" in [c[0] for c in conn.execute("SELECT * FROM lake.ratings").description]
+    assert conn.execute("SELECT comment FROM duckdb_views() WHERE view_name = 'ratings'").fetchone()[0] \
+        == RATINGS_VIEW_VERSION

@@ -107,6 +107,9 @@ _DESCRIBED = ("status", "policy_id", "policy_version", "feature_code", "meter_co
 # events with every string spelled out (two of them unique per row) took 1.41 s of a 2.3 s
 # sweep; with line ids instead, 0.75 s less (see docs/design.md). Unqualified names bind to
 # the lake the view is read from, whatever alias it is attached under.
+# Stored as the view's comment: a lake whose view has another is given this definition on
+# the next writable attach. Change it whenever RATINGS_VIEW changes.
+RATINGS_VIEW_VERSION = "tollgate ratings view 1"
 RATINGS_VIEW = (
     "SELECT CASE WHEN r.line_id IS NULL THEN r.rating_id ELSE concat(CAST(r.event_id AS VARCHAR),"
     " ':', k.line_index, ':', string_split(r.run_id, '-')[-1]) END AS rating_id,"
@@ -172,9 +175,20 @@ def attach_lake(conn: duckdb.DuckDBPyConnection, data_dir: Path, *, read_only: b
         for table, columns in LAKE_TABLES.items():
             with_lake_retry(lambda t=table, c=columns: conn.execute(
                 f"CREATE TABLE IF NOT EXISTS {alias}.{t} ({c})"))
-        if not _exists(conn, alias, "ratings", view=True):
-            with_lake_retry(lambda: conn.execute(
-                f"CREATE OR REPLACE VIEW {alias}.ratings AS {RATINGS_VIEW}"))
+        if _view_comment(conn, alias, "ratings") != RATINGS_VIEW_VERSION:
+            def create_view() -> None:
+                conn.execute("BEGIN")
+                try:
+                    conn.execute(f"CREATE OR REPLACE VIEW {alias}.ratings AS {RATINGS_VIEW}")
+                    conn.execute(f"COMMENT ON VIEW {alias}.ratings IS '{RATINGS_VIEW_VERSION}'")
+                    conn.execute("COMMIT")
+                except BaseException:
+                    try:
+                        conn.execute("ROLLBACK")
+                    except duckdb.Error:
+                        pass  # a failed COMMIT has already ended the transaction
+                    raise
+            with_lake_retry(create_view)
 
 
 def _exists(conn: duckdb.DuckDBPyConnection, alias: str, name: str, *, view: bool) -> bool:
@@ -188,6 +202,15 @@ def _exists(conn: duckdb.DuckDBPyConnection, alias: str, name: str, *, view: boo
         row = cursor.execute(f"SELECT count(*) FROM {listing} WHERE database_name = '{quoted[0]}'"
                              f" AND {column} = '{quoted[1]}'").fetchone()
     return bool(row and row[0])
+
+
+def _view_comment(conn: duckdb.DuckDBPyConnection, alias: str, name: str) -> str | None:
+    """The comment of a view of the lake (None: no such view, or no comment)."""
+    quoted = [text.replace("'", "''") for text in (alias, name)]
+    with conn.cursor() as cursor:  # see _exists: the listing's lock ends with the cursor
+        row = cursor.execute(f"SELECT comment FROM duckdb_views() WHERE database_name = '{quoted[0]}'"
+                             f" AND view_name = '{quoted[1]}'").fetchone()
+    return None if row is None else row[0]
 
 
 def _upgrade(conn: duckdb.DuckDBPyConnection, alias: str) -> None:
