@@ -8,7 +8,13 @@ from typing import Any
 
 import duckdb
 
-from warehouse.lake import LAKE_TABLES, RATINGS_VIEW_VERSION, _load_extensions, connect_lake, lake_paths
+from warehouse.lake import (
+    LAKE_TABLES,
+    RATINGS_VIEW_VERSION,
+    _load_extensions,
+    connect_lake,
+    lake_paths,
+)
 
 OLD_COLUMNS = LAKE_TABLES["rating_rows"].replace(", line_id BIGINT", "")
 EVENT = "5f0c2a8e-8e8e-4c1a-9a57-3d8a5a0e2b11"
