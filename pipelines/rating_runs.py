@@ -36,7 +36,7 @@ from types import TracebackType
 import duckdb
 
 from pipelines.rating_plan import LINE_CATALOG
-from warehouse.lake import with_lake_retry
+from warehouse.lake import transaction, with_lake_retry
 
 __all__ = [
     "BATCH_KINDS",
@@ -196,27 +196,22 @@ def write_run(conn: duckdb.DuckDBPyConnection, *, run_id: str, kind: str, starte
     ).fetchall()
     if missing:
         def record_kinds() -> None:
-            conn.execute("BEGIN")
-            try:
+            with transaction(conn):
                 conn.executemany("INSERT INTO lake.rating_line_kinds VALUES (?, ?, ?, ?, ?, ?, ?)",
                                  missing)
-                conn.execute("COMMIT")
-            except BaseException:
-                _rollback(conn)
-                raise
         with_lake_retry(record_kinds)
 
     def write() -> tuple[int, int]:
-        conn.execute("BEGIN")
-        try:
-            counted_first: int | None = None
+        with transaction(conn):
+            counted: int | None = None
             if isinstance(events, str):
                 found = conn.execute(events).fetchone()
-                counted_first = int(found[0]) if found else 0
+                counted = int(found[0]) if found else 0
             inserted = conn.execute(
                 f"INSERT INTO lake.rating_rows ({STORED_COLUMNS}) {rows_sql}").fetchone()
             count = int(inserted[0]) if inserted else 0
-            counted = counted_first if isinstance(events, str) else events
+            if isinstance(events, int):
+                counted = events
             if counted is None:
                 found = conn.execute("SELECT count(DISTINCT event_id) FROM lake.rating_rows"
                                      " WHERE run_id = ?", [run_id]).fetchone()
@@ -226,18 +221,7 @@ def write_run(conn: duckdb.DuckDBPyConnection, *, run_id: str, kind: str, starte
                 "INSERT INTO lake.rating_runs VALUES (?, ?, 'completed', ?, ?, ?, ?, ?)",
                 [run_id, kind, started_at, finished_at, json.dumps(dict(params), sort_keys=True),
                  counted, count])
-            conn.execute("COMMIT")
-        except BaseException:
-            _rollback(conn)
-            raise
         return counted, count
 
     written, lines = with_lake_retry(write, attempts=10)
     return RunSummary(run_id, kind, written, lines, time.monotonic() - began)
-
-
-def _rollback(conn: duckdb.DuckDBPyConnection) -> None:
-    try:
-        conn.execute("ROLLBACK")
-    except duckdb.Error:
-        pass  # a failed COMMIT has already ended the transaction

@@ -36,7 +36,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from warehouse.journal import run_in_background
-from warehouse.lake import attach_lake, with_lake_retry
+from warehouse.lake import attach_lake, transaction, with_lake_retry
 
 __all__ = ["BATCH_ROWS", "STREAMS", "ExportMismatch", "LakeExporter", "Watermark",
            "run_exporter_thread"]
@@ -187,17 +187,9 @@ class LakeExporter:
     def _advance_watermarks(self, op_conn: duckdb.DuckDBPyConnection, batches: list[_Batch],
                             now: datetime) -> None:
         """The step after the lake commit: one operational transaction for every stream."""
-        op_conn.execute("BEGIN")
-        try:
+        with transaction(op_conn):
             for batch in batches:
                 self._store_watermark(op_conn, Watermark(batch.stream, batch.to_seq, batch.export_id), now)
-            op_conn.execute("COMMIT")
-        except BaseException:
-            try:
-                op_conn.execute("ROLLBACK")
-            except duckdb.Error:
-                pass  # a failed COMMIT has already ended the transaction
-            raise
 
     def _labels_query(self, op_conn: duckdb.DuckDBPyConnection) -> str:
         """The SELECT of the operational `event_labels` view, to run over one batch of events.
@@ -272,35 +264,28 @@ class LakeExporter:
     def _write_lake(self, lake: duckdb.DuckDBPyConnection, batches: list[_Batch],
                     labels_select: str, now: datetime) -> None:
         """One lake transaction: every batch of the round and its export_log row."""
-        lake.execute("BEGIN")
         registered: list[str] = []
         try:
-            for batch in batches:
-                held = lake.execute("SELECT count(*) FROM lake.export_log WHERE stream = ? AND export_id = ?",
-                                    [batch.stream, batch.export_id]).fetchone()
-                if held and held[0]:
-                    raise ExportMismatch(f"lake already holds export {batch.stream}#{batch.export_id}")
-                # The events batch goes by `events`: the label view's SELECT reads that name.
-                name = "events" if batch.stream == "events" else f"export_{batch.stream}"
-                lake.register(name, batch.rows)
-                registered.append(name)
-                if batch.stream == "events":
-                    self._write_events(lake, name, batch, labels_select)
-                elif batch.stream == "commit_lines":
-                    self._write_commit_lines(lake, name)
-                else:
-                    self._write_inline_ratings(lake, name, batch)
-                lake.execute("INSERT INTO lake.export_log VALUES (?, ?, ?, ?, ?, ?)",
-                             [batch.stream, batch.export_id, batch.from_seq, batch.to_seq,
-                              batch.rows.num_rows, now])
-            runs = self._new_runs(lake, batches, now)
-            lake.execute("COMMIT")
-        except BaseException:
-            try:
-                lake.execute("ROLLBACK")
-            except duckdb.Error:
-                pass  # a failed COMMIT has already ended the transaction
-            raise
+            with transaction(lake):
+                for batch in batches:
+                    held = lake.execute("SELECT count(*) FROM lake.export_log WHERE stream = ? AND export_id = ?",
+                                        [batch.stream, batch.export_id]).fetchone()
+                    if held and held[0]:
+                        raise ExportMismatch(f"lake already holds export {batch.stream}#{batch.export_id}")
+                    # The events batch goes by `events`: the label view's SELECT reads that name.
+                    name = "events" if batch.stream == "events" else f"export_{batch.stream}"
+                    lake.register(name, batch.rows)
+                    registered.append(name)
+                    if batch.stream == "events":
+                        self._write_events(lake, name, batch, labels_select)
+                    elif batch.stream == "commit_lines":
+                        self._write_commit_lines(lake, name)
+                    else:
+                        self._write_inline_ratings(lake, name, batch)
+                    lake.execute("INSERT INTO lake.export_log VALUES (?, ?, ?, ?, ?, ?)",
+                                 [batch.stream, batch.export_id, batch.from_seq, batch.to_seq,
+                                  batch.rows.num_rows, now])
+                runs = self._new_runs(lake, batches, now)
         finally:
             for name in registered:
                 lake.unregister(name)

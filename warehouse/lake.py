@@ -47,13 +47,14 @@ Tables (all times UTC):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
 import duckdb
 
-__all__ = ["LAKE_TABLES", "attach_lake", "connect_lake", "lake_paths", "with_lake_retry"]
+__all__ = ["LAKE_TABLES", "attach_lake", "connect_lake", "lake_paths", "transaction", "with_lake_retry"]
 
 T = TypeVar("T")
 
@@ -145,6 +146,21 @@ def _load_extensions(conn: duckdb.DuckDBPyConnection) -> None:
             conn.execute(f"LOAD {name}")
 
 
+@contextmanager
+def transaction(conn: duckdb.DuckDBPyConnection) -> Iterator[None]:
+    """BEGIN ... COMMIT around the block; ROLLBACK when it raises (or when COMMIT does)."""
+    conn.execute("BEGIN")
+    try:
+        yield
+        conn.execute("COMMIT")
+    except BaseException:
+        try:
+            conn.execute("ROLLBACK")
+        except duckdb.Error:
+            pass  # a failed COMMIT has already ended the transaction
+        raise
+
+
 def with_lake_retry(step: Callable[[], T], *, attempts: int = 50, pause: float = 0.05) -> T:
     """Run `step`, retrying while another process holds the SQLite catalog."""
     for attempt in range(attempts):
@@ -177,39 +193,33 @@ def attach_lake(conn: duckdb.DuckDBPyConnection, data_dir: Path, *, read_only: b
                 f"CREATE TABLE IF NOT EXISTS {alias}.{t} ({c})"))
         if _view_comment(conn, alias, "ratings") != RATINGS_VIEW_VERSION:
             def create_view() -> None:
-                conn.execute("BEGIN")
-                try:
+                with transaction(conn):
                     conn.execute(f"CREATE OR REPLACE VIEW {alias}.ratings AS {RATINGS_VIEW}")
                     conn.execute(f"COMMENT ON VIEW {alias}.ratings IS '{RATINGS_VIEW_VERSION}'")
-                    conn.execute("COMMIT")
-                except BaseException:
-                    try:
-                        conn.execute("ROLLBACK")
-                    except duckdb.Error:
-                        pass  # a failed COMMIT has already ended the transaction
-                    raise
             with_lake_retry(create_view)
 
 
-def _exists(conn: duckdb.DuckDBPyConnection, alias: str, name: str, *, view: bool) -> bool:
-    listing = "duckdb_views()" if view else "duckdb_tables()"
-    column = "view_name" if view else "table_name"
+def _listed(conn: duckdb.DuckDBPyConnection, alias: str, name: str, *, view: bool) -> tuple[str | None] | None:
+    """The lake's view (with its comment) or table of that name, or None.
+
+    On a cursor closed at once: listing DuckLake's catalog leaves a read lock on its SQLite
+    file until the connection's next statement, and an idle process holding it makes every
+    other process's commit fail with "database is locked"."""
+    listing, column, comment = (("duckdb_views()", "view_name", "comment") if view
+                                else ("duckdb_tables()", "table_name", "NULL"))
     quoted = [text.replace("'", "''") for text in (alias, name)]
-    # On a cursor closed at once: listing DuckLake's catalog leaves a read lock on its SQLite
-    # file until the connection's next statement, and an idle process holding it makes every
-    # other process's commit fail with "database is locked".
     with conn.cursor() as cursor:
-        row = cursor.execute(f"SELECT count(*) FROM {listing} WHERE database_name = '{quoted[0]}'"
-                             f" AND {column} = '{quoted[1]}'").fetchone()
-    return bool(row and row[0])
+        return cursor.execute(f"SELECT {comment} FROM {listing} WHERE database_name = '{quoted[0]}'"
+                              f" AND {column} = '{quoted[1]}'").fetchone()
+
+
+def _exists(conn: duckdb.DuckDBPyConnection, alias: str, name: str, *, view: bool) -> bool:
+    return _listed(conn, alias, name, view=view) is not None
 
 
 def _view_comment(conn: duckdb.DuckDBPyConnection, alias: str, name: str) -> str | None:
     """The comment of a view of the lake (None: no such view, or no comment)."""
-    quoted = [text.replace("'", "''") for text in (alias, name)]
-    with conn.cursor() as cursor:  # see _exists: the listing's lock ends with the cursor
-        row = cursor.execute(f"SELECT comment FROM duckdb_views() WHERE database_name = '{quoted[0]}'"
-                             f" AND view_name = '{quoted[1]}'").fetchone()
+    row = _listed(conn, alias, name, view=True)
     return None if row is None else row[0]
 
 
@@ -220,16 +230,11 @@ def _upgrade(conn: duckdb.DuckDBPyConnection, alias: str) -> None:
     def rename() -> None:
         if not _exists(conn, alias, "ratings", view=False) or _exists(conn, alias, "rating_rows", view=False):
             return
-        conn.execute("BEGIN")
         try:
-            conn.execute(f"ALTER TABLE {alias}.ratings RENAME TO rating_rows")
-            conn.execute(f"ALTER TABLE {alias}.rating_rows ADD COLUMN line_id BIGINT")
-            conn.execute("COMMIT")
-        except BaseException:
-            try:
-                conn.execute("ROLLBACK")
-            except duckdb.Error:
-                pass  # a failed COMMIT has already ended the transaction
+            with transaction(conn):
+                conn.execute(f"ALTER TABLE {alias}.ratings RENAME TO rating_rows")
+                conn.execute(f"ALTER TABLE {alias}.rating_rows ADD COLUMN line_id BIGINT")
+        except duckdb.Error:
             if _exists(conn, alias, "rating_rows", view=False):
                 return  # another process upgraded it first
             raise
