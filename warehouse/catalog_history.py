@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import duckdb
 
-from warehouse.lake import connect_lake, with_lake_retry
+from warehouse.lake import connect_lake, transaction, with_lake_retry
 
 __all__ = ["CatalogRows", "catalog_rows", "record_catalog"]
 
@@ -119,23 +119,21 @@ def record_catalog(data_dir: Path, catalog: _Catalog, *, applied_at: datetime | 
         conn.close()
 
 
+class _AlreadyRecorded(Exception):
+    """Ends `_append`'s transaction without writing: the fingerprint is in the lake."""
+
+
 def _append(conn: duckdb.DuckDBPyConnection, fingerprint: str, rows: CatalogRows) -> bool:
-    conn.execute("BEGIN")
     try:
-        seen = conn.execute("SELECT count(*) FROM lake.catalog_versions WHERE fingerprint = ?",
-                            [fingerprint]).fetchone()
-        if seen and seen[0]:
-            conn.execute("ROLLBACK")
-            return False
-        for table, table_rows in rows.items():
-            if table_rows:
-                marks = ", ".join("?" * len(table_rows[0]))
-                conn.executemany(f"INSERT INTO lake.{table} VALUES ({marks})", table_rows)
-        conn.execute("COMMIT")
-        return True
-    except BaseException:
-        try:
-            conn.execute("ROLLBACK")
-        except duckdb.Error:
-            pass  # a failed COMMIT has already ended the transaction
-        raise
+        with transaction(conn):
+            seen = conn.execute("SELECT count(*) FROM lake.catalog_versions WHERE fingerprint = ?",
+                                [fingerprint]).fetchone()
+            if seen and seen[0]:
+                raise _AlreadyRecorded
+            for table, table_rows in rows.items():
+                if table_rows:
+                    marks = ", ".join("?" * len(table_rows[0]))
+                    conn.executemany(f"INSERT INTO lake.{table} VALUES ({marks})", table_rows)
+    except _AlreadyRecorded:
+        return False
+    return True
