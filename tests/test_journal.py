@@ -147,3 +147,72 @@ def test_best_effort_rows_the_file_refuses_never_hold_up_journaled_ones(tmp_path
     assert conn.execute("SELECT count(*) FROM inline_ratings").fetchone() == (0,)
     assert list((tmp_path / "journal").glob("*.journal")) == []
     conn.close()
+
+
+def test_a_prefilled_journal_takes_groups_in_place_and_reads_back_to_its_zeros(tmp_path: Path) -> None:
+    path = tmp_path / "op.journal"
+    journal = Journal(path, prefill=1 << 16)
+    assert journal.prefilled and journal.size == 0 and path.stat().st_size == 1 << 16
+    journal.append(1, {"t": [(1, "a")]})
+    journal.append(2, {"t": [(2, "b")]})
+    used = journal.size
+    assert 0 < used < 1 << 16 and path.stat().st_size == 1 << 16   # written in place, not grown
+    journal.close()
+    journal = Journal(path)
+    assert [seq for seq, _ in journal.groups()] == [1, 2]
+    assert journal.size == used and path.stat().st_size == 1 << 16  # zeros are no torn tail
+    journal.close()
+    data = bytearray(path.read_bytes())
+    data[used - 1] ^= 0xFF                                   # the second record is corrupt
+    data[used + 10] = 7                                      # and garbage follows it
+    path.write_bytes(bytes(data))
+    journal = Journal(path)
+    assert [seq for seq, _ in journal.groups()] == [1]
+    assert path.stat().st_size < used                        # cut back to the end of the first
+    journal.close()
+
+
+def test_a_prefilled_journal_grows_past_its_zeros_when_a_group_does_not_fit(tmp_path: Path) -> None:
+    path = tmp_path / "op.journal"
+    journal = Journal(path, prefill=64)
+    journal.append(1, {"t": [(n, "x" * 20) for n in range(10)]})
+    assert journal.size > 64 and path.stat().st_size == journal.size
+    journal.close()
+    assert [seq for seq, _ in Journal(path).groups()] == [1]
+
+
+def _wait_for_spare(store: JournaledStore) -> None:
+    store._spare_thread.join(timeout=30)                      # prepared in the background
+    assert store._spare is not None
+
+
+def test_the_store_moves_to_prefilled_segments_and_deletes_those_it_filled(tmp_path: Path) -> None:
+    conn = open_operational(tmp_path / "op.duckdb")
+    store = JournaledStore(conn, tmp_path / "journal")
+    store.SEGMENT_BYTES = 4096
+    store.commit({"lease_transitions": [_row(1)]})
+    assert not store.journal.prefilled                        # no spare yet at start
+    _wait_for_spare(store)
+    store.materialize()                                       # hands over, and moves on
+    assert store.journal.prefilled and store.journal.size == 0
+    assert [p.name for p in (tmp_path / "journal").glob("*.journal")] == [store.journal.path.name]
+    n = 1
+    while store.journal.size < store.SEGMENT_BYTES:           # fill the prefilled segment
+        n += 1
+        store.commit({"lease_transitions": [_row(n)]})
+    full = store.journal.path
+    _wait_for_spare(store)
+    store.materialize()
+    assert store.journal.path != full and not full.exists()   # applied, so deleted
+    for m in range(n + 1, n + 4):
+        store.commit({"lease_transitions": [_row(m)]})
+    assert store.journal.path.stat().st_size == 4096           # in place
+    conn.close()                                               # a crash
+
+    conn = open_operational(tmp_path / "op.duckdb")
+    store = JournaledStore(conn, tmp_path / "journal")
+    assert store.recover() == 3
+    assert _transitions(conn) == sorted(f"lease-{k}" for k in range(1, n + 4))
+    store.close()
+    assert list((tmp_path / "journal").iterdir()) == []
+    conn.close()
