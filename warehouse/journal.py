@@ -292,8 +292,8 @@ class JournaledStore:
         self._next_segment += 1
         spare = self._spare
         if spare is not None:
-            self._spare = None
             os.rename(spare.path, path)
+            self._spare = None
             spare.path = path
             _sync_dir(self._dir)
             journal = spare
@@ -372,29 +372,28 @@ class JournaledStore:
         return self._pending_rows
 
     def _take(self) -> _Batch | None:
-        """The waiting rows as a batch (with a failed batch before them), and a new segment."""
+        """The waiting rows as a batch (with a failed batch before them); the segments the
+        writer has moved on from go with it, to be deleted once it is applied. The current
+        segment keeps taking groups until it is full (or a prefilled spare can replace a
+        segment that was not prefilled)."""
+        if self._failed is None and self.seq == self.applied_seq and not self._deferred:
+            return None
+        # The next segment first: if it cannot be made, nothing has changed.
+        journal = self._new_segment() if self._rotation_due() else self.journal
+        closed = self._segments[:-1]
+        self._segments = [journal]
+        self.journal = journal
         if self._failed is not None:
-            failed, _ = self._failed
+            batch, _ = self._failed
             self._failed = None
             for table, rows in self._pending.items():
-                failed.tables.setdefault(table, []).extend(rows)
+                batch.tables.setdefault(table, []).extend(rows)
             for table, rows in self._deferred.items():
-                failed.deferred.setdefault(table, []).extend(rows)
-            failed.seq = self.seq
-            batch = failed
-        elif self.seq == self.applied_seq and not self._deferred:
-            return None
+                batch.deferred.setdefault(table, []).extend(rows)
+            batch.seq = self.seq
+            batch.segments.extend(closed)
         else:
-            batch = _Batch(self._pending, self.seq, [], self._deferred)
-        # The segments the writer has moved on from are deleted once the batch is applied;
-        # the current one keeps taking groups until it is full.
-        if self._rotation_due():
-            batch.segments.extend(self._segments)
-            self._segments = []
-            self.journal = self._new_segment()
-        else:
-            batch.segments.extend(self._segments[:-1])
-            self._segments = [self.journal]
+            batch = _Batch(self._pending, self.seq, closed, self._deferred)
         self._pending, self._pending_rows, self._deferred = {}, 0, {}
         return batch
 
