@@ -234,3 +234,40 @@ def test_kill_9_under_concurrent_gate_load_keeps_every_acknowledged_commit_exact
     lines = conn.execute("SELECT count(*) FROM commit_lines").fetchone()[0]
     assert lines == count
     conn.close()
+
+
+def _commit_once(book: GateBook, conn: duckdb.DuckDBPyConnection, meter: str, qty: int) -> dict:
+    tx = Transaction(conn, NOW)
+    conn.execute("BEGIN")
+    auth = book.authorize(tx, AuthorizeOp("acme", "gate-p", "acct_gate", None, "gate.rounding", qty, {}, None))()
+    done = book.commit(tx, CommitOp("acme", "gate-p", "acct_gate", auth.data["lease_token"], "gate.rounding", qty,
+                                    [MeterLine(meter, qty)], {}, b"{}", None))()
+    tx.flush()
+    tx.commit()
+    conn.execute("COMMIT")
+    assert done.status == 200, done
+    return done.data
+
+
+def test_a_price_row_whose_terms_change_starts_its_carry_afresh() -> None:
+    text = (FIXTURES / "catalog.toml").read_text()
+    block_1000 = load_catalog(text)
+    # The same row (meter and effective_at) re-applied with blocks of 100 and price 20.
+    old_row = ('meter = "gate.ceil"\nunit_price_xusd = "150"\nunit_quantity_minor = "1000"')
+    assert old_row in text
+    block_100 = load_catalog(text.replace(old_row, 'meter = "gate.ceil"\nunit_price_xusd = "20"\n'
+                                                   'unit_quantity_minor = "100"'))
+    catalog = [block_1000]
+    conn = open_operational_memory()
+    book = GateBook(lambda: catalog[0], lambda: NOW)
+    book.rebuild(conn)
+    first = _commit_once(book, conn, "gate.ceil", 400)      # ceil: one block of 1000 charged, 400 carried
+    assert first["amount_xusd"] == "150"
+    catalog[0] = block_100
+    second = _commit_once(book, conn, "gate.ceil", 250)     # fresh carry: 3 blocks of 100 at 20
+    assert second["amount_xusd"] == "60"
+    assert second["lines"][0]["pricing_fingerprint"] != first["lines"][0]["pricing_fingerprint"]
+    third = _commit_once(book, conn, "gate.ceil", 40)       # 250 + 40 = 290: still within 3 blocks
+    assert third["amount_xusd"] == "0"
+    book.rebuild(conn)                                       # the carry of the new terms comes back
+    assert _commit_once(book, conn, "gate.ceil", 20)["amount_xusd"] == "20"  # 310: a fourth block

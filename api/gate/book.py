@@ -181,9 +181,20 @@ class PriceIndex:
         return found[1][i - 1] if i else None
 
 
+_FINGERPRINTS: dict[PriceRow, str] = {}
+
+
 def _fingerprint(row: PriceRow) -> str:
-    text = f"{row.price_id}|{row.unit_price_xusd}|{row.unit_quantity_minor}|{row.rounding}"
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    """The row's id and terms, hashed: what a commit line reports, and the key its carried
+    remainder is kept under, so a row whose terms change in a re-applied catalog starts its
+    carry afresh instead of carrying a remainder measured in other blocks."""
+    found = _FINGERPRINTS.get(row)
+    if found is None:
+        if len(_FINGERPRINTS) > 4096:
+            _FINGERPRINTS.clear()
+        text = f"{row.price_id}|{row.unit_price_xusd}|{row.unit_quantity_minor}|{row.rounding}"
+        found = _FINGERPRINTS[row] = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return found
 
 
 def _error(status: int, code: str, message: str, **extra: Any) -> GateOutcome:
@@ -206,7 +217,7 @@ def _price_lines(prices: PriceIndex, lines: list[tuple[str, int]], now: datetime
         if row is None:
             out.append((meter, qty, None, None))
             continue
-        key = (meter, row.price_id)
+        key = (meter, _fingerprint(row))
         priced = price_line(row, qty, carry[key] if key in carry else carried(*key))
         carry[key] = priced.remainder_after
         total += priced.amount_xusd
@@ -277,12 +288,12 @@ class GateBook:
                 "SELECT realm, billing_account_id, grant_id, amount_xusd, effective_at FROM grants").fetchall():
             self.grants[(realm, account)].append((eff, amount))
             self.grant_ids.add((realm, gid))
-        for realm, account, meter, price_id, remainder in conn.execute(
+        for realm, account, meter, fingerprint, remainder in conn.execute(
             """
-            SELECT realm, billing_account_id, meter_code, price_id, arg_max(remainder_after, seq)
-            FROM commit_lines WHERE price_id IS NOT NULL GROUP BY ALL
+            SELECT realm, billing_account_id, meter_code, pricing_fingerprint, arg_max(remainder_after, seq)
+            FROM commit_lines WHERE pricing_fingerprint IS NOT NULL GROUP BY ALL
             """).fetchall():
-            self.carry[(realm, account, meter, price_id)] = int(remainder)
+            self.carry[(realm, account, meter, fingerprint)] = int(remainder)
         for realm, principal, endpoint, key, sha, reply, stored_at in conn.execute(
             """
             SELECT realm, principal_id, endpoint, idem_key, body_sha256, reply, stored_at
@@ -509,8 +520,8 @@ class GateBook:
         if expired:
             hints.append({"type": "lease.expired", "expires_at": format_instant(lease.expires_at)})
         prices = self._prices(realm)
-        planned = _price_lines(prices, lines, now, lambda meter, price_id: self.carry.get(
-            (realm.id, lease.account, meter, price_id), 0))
+        planned = _price_lines(prices, lines, now, lambda meter, fingerprint: self.carry.get(
+            (realm.id, lease.account, meter, fingerprint), 0))
         if planned is None:
             return _error(422, "VALIDATION.INVALID_VALUE",
                           f"the commit's amount is beyond what the ledger holds ({_INT64_MAX} xusd)",
@@ -530,11 +541,11 @@ class GateBook:
                 price_id = unit_price = unit_qty = rounding = fingerprint = None
             else:
                 carried = priced.carried
-                self.carry[(realm.id, lease.account, meter, row.price_id)] = remainder = priced.remainder_after
+                fingerprint = _fingerprint(row)
+                self.carry[(realm.id, lease.account, meter, fingerprint)] = remainder = priced.remainder_after
                 amount = priced.amount_xusd
                 price_id, unit_price, unit_qty, rounding = (
                     row.price_id, row.unit_price_xusd, row.unit_quantity_minor, row.rounding)
-                fingerprint = _fingerprint(row)
             total += amount
             tx.stage("commit_lines", (self.line_seq, line_id, commit_id, lease.lease_id, realm.id,
                                       lease.account, lease.principal_id, lease.feature_code, meter, qty,
