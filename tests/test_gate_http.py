@@ -122,6 +122,25 @@ def test_rate_limit_is_429_with_retry_after_and_hint(service: Service) -> None:
     assert hint["type"] == "rate.limit" and hint["limit"] == 3 and hint["remaining"] == 0 and hint["reset_at"]
 
 
+def test_a_rate_limited_retry_with_an_idempotency_key_gets_the_stored_answer(service: Service) -> None:
+    key = f"rated-{uuid.uuid4()}"
+    first = authorize(service, "gate-p", feature="gate.rated", estimate="1", idempotency_key=key)
+    token = token_of(first)
+    for _ in range(3):  # the limit's window may roll over between two calls: try again then
+        while authorize(service, "gate-p", feature="gate.rated", estimate="1").status_code != 429:
+            pass
+        fresh = authorize(service, "gate-p", feature="gate.rated", estimate="1",
+                          idempotency_key=f"rated-{uuid.uuid4()}")
+        if fresh.status_code == 429:
+            break
+    assert error(fresh) == (429, "LIMIT.RATE_EXCEEDED")       # a new key is limited like any call
+    replay = authorize(service, "gate-p", feature="gate.rated", estimate="1", idempotency_key=key)
+    assert replay.status_code == 200 and replay.headers.get("idempotent-replayed") == "true"
+    assert replay.json()["data"]["lease_token"] == token
+    other = authorize(service, "gate-p", feature="gate.rated", estimate="2", idempotency_key=key)
+    assert error(other) == (409, "IDEMPOTENCY.CONFLICT")
+
+
 def test_commit_errors(service: Service) -> None:
     token = token_of(authorize(service, "gate-p"))
     assert error(commit(service, "gate-p", "tgl_unknown")) == (422, "LEASE.NOT_FOUND")

@@ -210,11 +210,16 @@ async def _authorize(call: _Call) -> GateOutcome:
                     + (f" in family {family!r}" if family is not None else "")))
     refusal = call.runtime.rate_limiter.admit(call.realm, feature.code, call.principal, call.account, utcnow())
     if refusal is not None:
-        return GateOutcome(
+        limited = GateOutcome(
             status=429, code="LIMIT.RATE_EXCEEDED", message="rate limit exceeded; retry later",
             headers={"Retry-After": str(refusal.retry_after_seconds)},
             hints=[{"type": "rate.limit", "limit": refusal.limit, "remaining": 0,
                     "reset_at": refusal.reset_at.isoformat().replace("+00:00", "Z")}])
+        if call.idem is not None:
+            # A retry of a request that was already answered gets that answer (or the 409 of
+            # another body), not a 429; a 429 itself is never stored.
+            return await call.runtime.write(RecordOutcomeOp(call.idem, limited))  # type: ignore[no-any-return]
+        return limited
     op = AuthorizeOp(call.realm.id, call.principal, call.account, call.ctx.user_id, feature.code,
                      estimate, labels, call.idem)  # type: ignore[arg-type]
     return await call.runtime.write(op)  # type: ignore[no-any-return]
