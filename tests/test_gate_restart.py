@@ -271,3 +271,29 @@ def test_a_price_row_whose_terms_change_starts_its_carry_afresh() -> None:
     assert third["amount_xusd"] == "0"
     book.rebuild(conn)                                       # the carry of the new terms comes back
     assert _commit_once(book, conn, "gate.ceil", 20)["amount_xusd"] == "20"  # 310: a fourth block
+
+
+def test_cancelling_a_lease_past_its_time_reports_it_expired_before_the_sweep_does() -> None:
+    from api.gate.ops import CancelOp
+
+    catalog = load_catalog((FIXTURES / "catalog.toml").read_text())
+    conn = open_operational_memory()
+    book = GateBook(lambda: catalog, lambda: NOW)
+    book.rebuild(conn)
+    tx = Transaction(conn, NOW)
+    ok = book.authorize(tx, AuthorizeOp("acme", "expiry-p", "acct_gate_expiry", None, "gate.short", 10, {}, None))()
+    tx.flush()
+    tx.commit()
+    assert book.holds.funding[("acme", "acct_gate_expiry")] == 1000
+    later = NOW + timedelta(seconds=2)                         # past the 1 s lease; no sweep ran
+    tx = Transaction(conn, later)
+    done = book.cancel(tx, CancelOp("acme", "expiry-p", ok.data["lease_token"], None, None))()
+    tx.flush()
+    tx.commit()
+    assert done.data["cancelled"] is False and done.data["state"] == "expired"
+    assert done.data["released_cap"] == "0"
+    assert book.holds.funding.get(("acme", "acct_gate_expiry"), 0) == 0
+    book.rebuild(conn)                                          # the file says expired, at its time
+    assert book.holds.funding.get(("acme", "acct_gate_expiry"), 0) == 0
+    assert conn.execute("SELECT state, happened_at FROM lease_transitions").fetchall() == [
+        ("expired", NOW + timedelta(seconds=1))]

@@ -587,6 +587,13 @@ class GateBook:
         lease = self._lease_of(op.realm, op.principal_id, op.lease_token)
         if lease is None:
             return _error(422, "LEASE.NOT_FOUND", "no lease for this token and principal")
+        if lease.state == "active" and tx.now >= lease.expires_at:
+            # Past its time, not yet reached by the expiry sweep: it expired, this call
+            # cancels nothing (a commit would treat it as expired too).
+            self.holds.change(lease, -1)
+            lease.state = "expired"
+            lease.ended_at = lease.expires_at
+            tx.stage("lease_transitions", (lease.lease_id, "expired", lease.expires_at, None))
         if lease.state != "active":
             return GateOutcome(status=200, data={"cancelled": False, "state": lease.state, "released_cap": "0",
                                                  "lease_id": lease.lease_id})
