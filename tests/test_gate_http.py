@@ -167,6 +167,10 @@ def test_cancel_releases_and_a_cancelled_lease_cannot_commit(service: Service) -
     assert second["cancelled"] is False and second["released_cap"] == "0"
     assert error(commit(service, "gate-p", token)) == (409, "LEASE.CANCELLED")
     assert error(service.post("/mgt/v1/gate/cancel", {"lease_token": "tgl_nope"}, principal="gate-p")) == (422, "LEASE.NOT_FOUND")
+    for malformed in ("", 42, "x" * 600, ["tgl"]):            # malformed is unknown too
+        assert error(service.post("/mgt/v1/gate/cancel", {"lease_token": malformed},
+                                  principal="gate-p")) == (422, "LEASE.NOT_FOUND")
+        assert error(commit(service, "gate-p", malformed)) == (422, "LEASE.NOT_FOUND")
 
 
 def test_unpriced_meter_is_charged_zero_with_hint(service: Service) -> None:

@@ -79,8 +79,9 @@ class _Fields:
             self.fault("lease_token", "VALIDATION.REQUIRED", "lease_token is required")
             return None
         if not isinstance(value, str) or not value or len(value) > 512:
-            self.fault("lease_token", "VALIDATION.INVALID_TYPE", "lease_token must be a non-empty string")
-            return None
+            # A malformed token names no lease: the writer answers 422 LEASE.NOT_FOUND for it,
+            # as for an unknown one (CONTRACT.md section 3).
+            return ""
         return value
 
     def labels(self) -> dict[str, str]:
