@@ -301,3 +301,59 @@ def test_a_commit_is_never_refused_for_funds(service: Service) -> None:
     r = commit(service, "debt-p", token, quantity="50")  # 5,000 xusd against 100 granted
     assert r.status_code == 200 and r.json()["data"]["balance_xusd"] == "-4900"
     assert error(authorize(service, "debt-p", estimate="1")) == (402, "FUNDING.INSUFFICIENT")
+
+
+def test_quota_and_budget_answers_carry_their_hints(fresh_service: Service) -> None:
+    svc = fresh_service
+    svc.start()
+    # gate.quota: 100 units a day per principal. Below a fifth left, a success says how much.
+    assert authorize(svc, "quota-p", feature="gate.quota", estimate="70").json().get("hints", []) == []
+    low = authorize(svc, "quota-p", feature="gate.quota", estimate="15")
+    assert low.status_code == 200
+    assert low.json()["hints"] == [{"type": "quota.remaining", "max_quantity_minor": 15}]
+    refused = authorize(svc, "quota-p", feature="gate.quota", estimate="20")
+    assert error(refused) == (402, "QUOTA.EXHAUSTED")
+    assert refused.json()["hints"] == [{"type": "quota.remaining", "max_quantity_minor": 15}]
+    # gate-budget: 10,000 xusd a month for the account; gate.unit costs 100 a unit.
+    near = authorize(svc, "budget-p", estimate="85")
+    assert near.status_code == 200
+    assert near.json()["hints"] == [{"type": "budget.low_headroom", "budget_id": "gate-budget",
+                                     "headroom_xusd": 1500}]
+    over = authorize(svc, "budget-p", estimate="20")
+    assert error(over) == (402, "BUDGET.EXHAUSTED")
+    assert over.json()["hints"] == [{"type": "budget.shortfall", "budget_id": "gate-budget",
+                                     "shortfall_xusd": 500}]
+    svc.stop()
+
+
+def test_idempotency_keys_on_commit_and_cancel_replay_what_was_stored(fresh_service: Service) -> None:
+    svc = fresh_service
+    svc.start()
+
+    def post(path: str, body: dict[str, Any], key: str) -> httpx.Response:
+        return svc.post(path, body, principal="gate-p", idempotency_key=key)
+
+    token = token_of(authorize(svc, "gate-p"))
+    body = {"lease_token": token, "feature_code": "gate.unit", "quantity_minor": "4"}
+    first = post("/mgt/v1/gate/commits", body, "commit-1")
+    assert first.status_code == 200 and "idempotent-replayed" not in first.headers
+    again = post("/mgt/v1/gate/commits", body, "commit-1")
+    assert again.headers.get("idempotent-replayed") == "true"
+    assert again.json()["data"]["commit_id"] == first.json()["data"]["commit_id"]
+    assert error(post("/mgt/v1/gate/commits", {**body, "quantity_minor": "5"}, "commit-1")) == (
+        409, "IDEMPOTENCY.CONFLICT")
+    unknown = {"lease_token": "tgl_unknown", "feature_code": "gate.unit", "quantity_minor": "1"}
+    assert error(post("/mgt/v1/gate/commits", unknown, "commit-2")) == (422, "LEASE.NOT_FOUND")
+    stored = post("/mgt/v1/gate/commits", unknown, "commit-2")         # a 422 is stored too
+    assert error(stored) == (422, "LEASE.NOT_FOUND") and stored.headers.get("idempotent-replayed") == "true"
+
+    token = token_of(authorize(svc, "gate-p", estimate="6"))
+    cancel = {"lease_token": token, "reason": "job failed"}
+    done = post("/mgt/v1/gate/cancel", cancel, "cancel-1")
+    assert done.json()["data"]["cancelled"] is True and done.json()["data"]["released_cap"] == "6"
+    replay = post("/mgt/v1/gate/cancel", cancel, "cancel-1")              # the first answer, again
+    assert replay.headers.get("idempotent-replayed") == "true"
+    assert replay.json()["data"] == done.json()["data"]
+    plain = svc.post("/mgt/v1/gate/cancel", cancel, principal="gate-p")  # without the key: a no-op
+    assert plain.json()["data"]["cancelled"] is False and plain.json()["data"]["released_cap"] == "0"
+    svc.stop()

@@ -40,7 +40,8 @@ __all__ = ["GateBook", "token_digest"]
 _encode = msgspec.json.encode
 IDEMPOTENCY_TTL = timedelta(hours=24)
 ENDED_LEASE_MEMORY = timedelta(days=7)
-LOW_HEADROOM = 0.20
+# A success hints at low headroom below a fifth of the limit (integers: no float near money).
+LOW_HEADROOM_DIVISOR = 5
 
 
 class _Randomness:
@@ -407,7 +408,7 @@ class GateBook:
                               f"{estimate} asked",
                               hints=[{"type": "quota.remaining", "max_quantity_minor": max(0, remaining)}])
             after = remaining - estimate
-            if after < q.limit_minor * LOW_HEADROOM:
+            if after * LOW_HEADROOM_DIVISOR < q.limit_minor:
                 hints.append({"type": "quota.remaining", "max_quantity_minor": after})
 
         for b in budgets:
@@ -420,7 +421,7 @@ class GateBook:
                               hints=[{"type": "budget.shortfall", "budget_id": b.id,
                                       "shortfall_xusd": shortfall}])
             headroom = -shortfall
-            if headroom < b.limit_xusd * LOW_HEADROOM:
+            if headroom * LOW_HEADROOM_DIVISOR < b.limit_xusd:
                 hints.append({"type": "budget.low_headroom", "budget_id": b.id, "headroom_xusd": headroom})
 
         if account.funding == "prepaid":
