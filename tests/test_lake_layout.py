@@ -92,3 +92,14 @@ def test_a_view_of_another_version_is_replaced_on_the_next_writable_attach(tmp_p
     assert "rating_id" in [c[0] for c in conn.execute("SELECT * FROM lake.ratings").description]
     assert conn.execute("SELECT comment FROM duckdb_views() WHERE view_name = 'ratings'").fetchone()[0] \
         == RATINGS_VIEW_VERSION
+
+
+def test_a_lake_made_with_an_absolute_path_attaches_through_a_relative_one(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    conn = connect_lake(tmp_path / "var")
+    conn.execute("INSERT INTO lake.catalog_versions VALUES ('fp', TIMESTAMPTZ '2026-11-01 00:00:00+00', 'test')")
+    conn.close()
+    monkeypatch.chdir(tmp_path)
+    reader = connect_lake(Path("var"), read_only=True)
+    assert reader.execute("SELECT fingerprint FROM lake.catalog_versions").fetchall() == [("fp",)]
+    reader.close()

@@ -22,11 +22,11 @@ Tables (all times UTC):
                      price_id, unit_price_xusd BIGINT, unit_quantity_minor BIGINT,
                      amount_xusd BIGINT, occurred_at TIMESTAMPTZ, rated_at TIMESTAMPTZ,
                      line_index INTEGER
-    rating_rows      what `ratings` reads: its columns plus line_id BIGINT. A row of a sweep or
-                     rerate stores line_id and leaves rating_id, source_id, status, policy_id,
-                     policy_version, feature_code, meter_code and line_index NULL; the view
-                     takes them from rating_line_kinds and derives the two ids. Every other
-                     row stores them all and line_id NULL.
+    rating_rows      what `ratings` reads: its columns plus line_id BIGINT. A line a sweep or
+                     rerate rates stores line_id and leaves rating_id, source_id, status,
+                     policy_id, policy_version, feature_code, meter_code and line_index NULL;
+                     the view takes them from rating_line_kinds and derives the two ids. Every
+                     other row (reversals included) stores them all and line_id NULL.
     rating_line_kinds  line_id BIGINT, status, policy_id, policy_version, feature_code,
                      meter_code, line_index INTEGER (one row per kind of rating line)
     rating_runs      run_id, kind (sweep|rerate|inline|gate|aggregate), status, started_at,
@@ -176,8 +176,11 @@ def with_lake_retry(step: Callable[[], T], *, attempts: int = 50, pause: float =
 
 def attach_lake(conn: duckdb.DuckDBPyConnection, data_dir: Path, *, read_only: bool = False,
                 alias: str = "lake") -> None:
-    """Attach the lake to `conn` as `alias`, creating its folder and tables when writable."""
-    catalog, data = lake_paths(data_dir)
+    """Attach the lake to `conn` as `alias`, creating its folder and tables when writable.
+
+    The folder is resolved first, so every attach names the data folder the same way:
+    DuckLake refuses a DATA_PATH other than the one its catalog recorded at creation."""
+    catalog, data = lake_paths(Path(data_dir).resolve())
     _load_extensions(conn)
     conn.execute("SET TimeZone = 'UTC'")
     if read_only and not catalog.exists():
