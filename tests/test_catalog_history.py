@@ -1,4 +1,5 @@
-"""`tollgate catalog apply` records each applied catalog in the lake, once per fingerprint."""
+"""`tollgate catalog apply` records every apply in the lake, and each catalog's detail rows
+once per fingerprint."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from pipelines.catalog import load_catalog
 from tests.conftest import FIXTURES, tollgate
+from warehouse.catalog_history import record_catalog
 from warehouse.lake import connect_lake
 
 JAN = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -50,7 +52,8 @@ def fingerprint_of(out: str) -> str:
     return out.split()[1]
 
 
-def test_an_applied_catalog_appears_in_the_lake_and_reapplying_it_adds_nothing(tmp_path: Path, lake: Lake) -> None:
+def test_an_applied_catalog_appears_in_the_lake_and_reapplying_it_adds_only_its_apply(
+        tmp_path: Path, lake: Lake) -> None:
     text = (FIXTURES / "catalog.toml").read_text()
     out = tollgate("catalog", "apply", str(FIXTURES / "catalog.toml"), data_dir=tmp_path).stdout
     fp = fingerprint_of(out)
@@ -86,13 +89,13 @@ def test_an_applied_catalog_appears_in_the_lake_and_reapplying_it_adds_nothing(t
     before = counts(lake, tmp_path)
     again = tollgate("catalog", "apply", str(FIXTURES / "catalog.toml"), data_dir=tmp_path).stdout
     assert fingerprint_of(again) == fp
-    assert counts(lake, tmp_path) == before
+    assert counts(lake, tmp_path) == before | {"catalog_versions": 2}
 
 
-def test_each_new_fingerprint_appends_one_set_of_rows(tmp_path: Path, lake: Lake) -> None:
-    first = FIXTURES / "catalog.toml"
+def second_catalog(tmp_path: Path) -> Path:
+    """The fixture catalog with one more api.calls price, from 2026-12-01."""
     second = tmp_path / "second.toml"
-    second.write_text(first.read_text() + """
+    second.write_text((FIXTURES / "catalog.toml").read_text() + """
 [[realms.acme.prices]]
 meter = "api.calls"
 unit_price_xusd = "2500"
@@ -100,19 +103,44 @@ unit_quantity_minor = "1"
 rounding = "ceil"
 effective_at = "2026-12-01T00:00:00Z"
 """)
+    return second
+
+
+def test_each_new_fingerprint_appends_one_set_of_rows(tmp_path: Path, lake: Lake) -> None:
+    first = FIXTURES / "catalog.toml"
+    second = second_catalog(tmp_path)
     fp1 = fingerprint_of(tollgate("catalog", "apply", str(first), data_dir=tmp_path).stdout)
     fp2 = fingerprint_of(tollgate("catalog", "apply", str(second), data_dir=tmp_path).stdout)
-    tollgate("catalog", "apply", str(first), data_dir=tmp_path)  # back to the first: no new rows
+    tollgate("catalog", "apply", str(first), data_dir=tmp_path)  # back to the first: no new prices
     assert fp1 != fp2
     prices = sum(len(r.prices) for r in load_catalog(first.read_text()).realms.values())
     assert lake(tmp_path, "SELECT fingerprint, count(*) FROM lake.catalog_prices GROUP BY ALL ORDER BY 2") == [
         (fp1, prices), (fp2, prices + 1)]
-    assert lake(tmp_path, "SELECT count(*), count(DISTINCT fingerprint) FROM lake.catalog_versions") == [(2, 2)]
+    assert lake(tmp_path, "SELECT count(*), count(DISTINCT fingerprint) FROM lake.catalog_versions") == [(3, 2)]
     # The price in force for api.calls on 2026-12-15 under the second catalog:
     assert lake(tmp_path, f"""
         SELECT unit_price_xusd FROM lake.catalog_prices
         WHERE fingerprint = '{fp2}' AND meter_code = 'api.calls' AND effective_at <= '2026-12-15'
         ORDER BY effective_at DESC LIMIT 1""") == [(2500,)]
+
+
+def test_going_back_to_a_catalog_records_when_it_came_back_into_force(tmp_path: Path, lake: Lake) -> None:
+    a = load_catalog((FIXTURES / "catalog.toml").read_text())
+    b = load_catalog(second_catalog(tmp_path).read_text())
+    t1, t2, t3 = (datetime(2026, 11, day, tzinfo=timezone.utc) for day in (1, 2, 3))
+    assert record_catalog(tmp_path, a, applied_at=t1) is True
+    assert record_catalog(tmp_path, b, applied_at=t2) is True
+    assert record_catalog(tmp_path, a, applied_at=t3) is False       # detail rows known already
+    assert lake(tmp_path, "SELECT fingerprint, applied_at FROM lake.catalog_versions ORDER BY applied_at") == [
+        (a.fingerprint, t1), (b.fingerprint, t2), (a.fingerprint, t3)]
+    prices = sum(len(r.prices) for r in a.realms.values())
+    assert lake(tmp_path, "SELECT fingerprint, count(*) FROM lake.catalog_prices GROUP BY ALL ORDER BY 2") == [
+        (a.fingerprint, prices), (b.fingerprint, prices + 1)]
+    # The catalog in force at a moment: the latest apply at or before it.
+    in_force = """SELECT arg_max(fingerprint, applied_at) FROM lake.catalog_versions
+                  WHERE applied_at <= TIMESTAMPTZ '{}'"""
+    assert lake(tmp_path, in_force.format("2026-11-02 12:00:00+00")) == [(b.fingerprint,)]
+    assert lake(tmp_path, in_force.format("2026-11-03 12:00:00+00")) == [(a.fingerprint,)]
 
 
 def test_an_invalid_catalog_records_nothing(tmp_path: Path) -> None:

@@ -1,9 +1,11 @@
-"""The applied catalog's history in the lake: one set of rows per catalog fingerprint.
+"""The applied catalog's history in the lake: one row per apply, one set of detail rows per
+catalog fingerprint.
 
-`tollgate catalog apply` records each catalog it applies into `lake.catalog_versions`,
-`catalog_prices`, `catalog_policy_versions` and `catalog_features`, so analysts can see which
-prices and policy versions were in force when, next to the ratings made under them. A
-fingerprint already recorded appends nothing (re-applying a catalog changes no history).
+`tollgate catalog apply` appends a `lake.catalog_versions` row (fingerprint, applied_at,
+source) on every apply, so the row of the latest `applied_at` names the catalog in force and
+when it was applied, also after going back to an earlier catalog. The detail rows (`catalog_prices`,
+`catalog_policy_versions`, `catalog_features`) are written once per fingerprint: a
+fingerprint recorded before appends only its `catalog_versions` row.
 
 The catalog comes in duck-typed (the shapes of `pipelines.catalog`, described by the
 protocols below): storage does not import the domain.
@@ -109,8 +111,9 @@ def catalog_rows(catalog: _Catalog, applied_at: datetime) -> CatalogRows:
 
 
 def record_catalog(data_dir: Path, catalog: _Catalog, *, applied_at: datetime | None = None) -> bool:
-    """Append the catalog's rows to the lake in one transaction; False when its fingerprint
-    was recorded before (nothing is written then)."""
+    """Record one apply of the catalog in the lake, in one transaction: its `catalog_versions`
+    row always, its detail rows when its fingerprint is new. False when the fingerprint was
+    recorded before (only the `catalog_versions` row is written then)."""
     rows = catalog_rows(catalog, applied_at or datetime.now(timezone.utc))
     conn = connect_lake(data_dir)
     try:
@@ -119,21 +122,13 @@ def record_catalog(data_dir: Path, catalog: _Catalog, *, applied_at: datetime | 
         conn.close()
 
 
-class _AlreadyRecorded(Exception):
-    """Ends `_append`'s transaction without writing: the fingerprint is in the lake."""
-
-
 def _append(conn: duckdb.DuckDBPyConnection, fingerprint: str, rows: CatalogRows) -> bool:
-    try:
-        with transaction(conn):
-            seen = conn.execute("SELECT count(*) FROM lake.catalog_versions WHERE fingerprint = ?",
-                                [fingerprint]).fetchone()
-            if seen and seen[0]:
-                raise _AlreadyRecorded
-            for table, table_rows in rows.items():
-                if table_rows:
-                    marks = ", ".join("?" * len(table_rows[0]))
-                    conn.executemany(f"INSERT INTO lake.{table} VALUES ({marks})", table_rows)
-    except _AlreadyRecorded:
-        return False
-    return True
+    with transaction(conn):
+        seen = conn.execute("SELECT count(*) FROM lake.catalog_versions WHERE fingerprint = ?",
+                            [fingerprint]).fetchone()
+        new = not (seen and seen[0])
+        for table, table_rows in rows.items():
+            if table_rows and (new or table == "catalog_versions"):
+                marks = ", ".join("?" * len(table_rows[0]))
+                conn.executemany(f"INSERT INTO lake.{table} VALUES ({marks})", table_rows)
+    return new
