@@ -1,6 +1,7 @@
 """The `publish-usage-reports` flow: usage per day and month, per account, feature and meter,
 from the current ratings, written three ways: appended to `lake.usage_reports`, as Parquet
-files under `<data_dir>/reports/`, and as a Prefect table artifact."""
+files under `<data_dir>/reports/`, and as two Prefect table artifacts, `usage-report-days` and
+`usage-report` (months), each showing the newest rows up to its cap."""
 
 from __future__ import annotations
 
@@ -21,8 +22,12 @@ from warehouse.lake import with_lake_retry
 
 __all__ = ["publish_usage_reports"]
 
-# A table artifact is for reading in the UI; the Parquet files hold the whole report.
-_ARTIFACT_ROWS = 500
+# A table artifact is for reading in the UI; the lake and the Parquet files hold the whole
+# report. Per period: its artifact key, its title and the most rows it shows (newest first).
+_ARTIFACTS = {"day": ("usage-report-days", "Daily usage", 1000),
+              "month": ("usage-report", "Monthly usage", 500)}
+_ARTIFACT_COLUMNS = ["period_start", "realm", "billing_account_id", "feature_code", "meter_code",
+                     "quantity_minor", "amount_xusd", "event_count", "line_count"]
 
 
 @flow(name="publish-usage-reports")
@@ -41,18 +46,27 @@ def publish_usage_reports(data_dir: str | None = None) -> dict[str, Any]:
     finally:
         conn.close()
     files = _write_parquet(folder / "reports", run_id, report)
-    rows = report.filter(pc.equal(report.column("period"), "month")).slice(0, _ARTIFACT_ROWS)
-    create_table_artifact(
-        table=[{k: (str(v) if v is not None else None) for k, v in row.items()}
-               for row in rows.select(["period_start", "realm", "billing_account_id", "feature_code",
-                                       "meter_code", "quantity_minor", "amount_xusd", "event_count",
-                                       "line_count"]).to_pylist()],
-        key="usage-report", description=f"Monthly usage, report {run_id} (amounts in xusd)")
-    counts = {period: int(pc.sum(pc.equal(report.column("period"), period)).as_py() or 0)
-              for period in ("day", "month")}
+    counts = {period: _publish_artifact(report, period, run_id) for period in ("day", "month")}
     get_run_logger().info("published %s: %d day rows, %d month rows", run_id, counts["day"],
                           counts["month"])
     return {"run_id": run_id, "rows": counts, "files": [str(f) for f in files]}
+
+
+def _publish_artifact(report: pa.Table, period: str, run_id: str) -> int:
+    """The table artifact of one period: its newest rows, at most the period's cap; returns
+    how many rows the period has in all."""
+    key, title, cap = _ARTIFACTS[period]
+    rows = report.filter(pc.equal(report.column("period"), period))
+    shown = rows.sort_by([("period_start", "descending"), ("realm", "ascending"),
+                          ("billing_account_id", "ascending"), ("feature_code", "ascending"),
+                          ("meter_code", "ascending")]).slice(0, cap)
+    create_table_artifact(
+        table=[{k: (str(v) if v is not None else None) for k, v in row.items()}
+               for row in shown.select(_ARTIFACT_COLUMNS).to_pylist()],
+        key=key, description=(f"{title}, report {run_id} (amounts in xusd): {shown.num_rows} of"
+                              f" {rows.num_rows} rows, newest first (at most {cap} shown); every row"
+                              f" is in lake.usage_reports and reports/usage_{period}.parquet"))
+    return rows.num_rows
 
 
 def _write_parquet(folder: Path, run_id: str, report: pa.Table) -> list[Path]:

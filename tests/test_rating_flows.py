@@ -4,6 +4,7 @@ Also inline rating of single events, and the schedules `tollgate serve` runs."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -14,12 +15,13 @@ from typing import Any
 import duckdb
 import pyarrow.parquet as pq
 import pytest
+from prefect.artifacts import Artifact
 from prefect.testing.utilities import prefect_test_harness
 
 from api.cli import main as tollgate_main
 from flows.compaction import compact_lake
 from flows.rating import rate_events, rerate
-from flows.reports import publish_usage_reports
+from flows.reports import _ARTIFACTS, publish_usage_reports
 from tests.conftest import Service, make_service, processes_of, tollgate
 from tests.lake_events import catalog_toml, policy, price, single
 from warehouse.lake import connect_lake
@@ -101,6 +103,15 @@ REPORT = ("SELECT period, CAST(period_start AS VARCHAR), billing_account_id, fea
           " WHERE run_id = '{run_id}' ORDER BY ALL")
 
 
+def artifact_rows(key: str) -> tuple[list[tuple[str, ...]], str]:
+    """A table artifact's (period_start, account, meter, amount) rows, and its description."""
+    artifact = Artifact.get(key)
+    assert artifact is not None and isinstance(artifact.data, str)
+    rows = [(r["period_start"], r["billing_account_id"], r["meter_code"], r["amount_xusd"])
+            for r in json.loads(artifact.data)]
+    return rows, artifact.description or ""
+
+
 def test_events_sent_over_http_are_swept_priced_and_reported_then_backfilled(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefect_api: None) -> None:
     svc = start_service(tmp_path, monkeypatch)
@@ -143,6 +154,17 @@ def test_events_sent_over_http_are_swept_priced_and_reported_then_backfilled(
         assert {(r["billing_account_id"], r["meter_code"]): r["amount_xusd"] for r in monthly} == {
             ("acct_a", "tokens.in"): 450, ("acct_a", "tokens.out"): 1200,
             ("acct_b", "calls"): 2000, ("acct_b", "tokens.in"): 750, ("acct_b", "tokens.out"): 0}
+        # The artifacts: the day rows and the month rows, newest first, each under its cap.
+        days, about = artifact_rows("usage-report-days")
+        assert days == [("2026-11-02", "acct_b", "calls", "2000"), ("2026-11-02", "acct_b", "tokens.in", "750"),
+                        ("2026-11-02", "acct_b", "tokens.out", "0"), ("2026-11-01", "acct_a", "tokens.in", "450"),
+                        ("2026-11-01", "acct_a", "tokens.out", "1200")]
+        assert first["run_id"] in about and "5 of 5 rows, newest first (at most 1000 shown)" in about
+        months, about = artifact_rows("usage-report")
+        assert [(r[1], r[2], r[3]) for r in months] == [
+            ("acct_a", "tokens.in", "450"), ("acct_a", "tokens.out", "1200"), ("acct_b", "calls", "2000"),
+            ("acct_b", "tokens.in", "750"), ("acct_b", "tokens.out", "0")]
+        assert {r[0] for r in months} == {"2026-11-01"} and "(at most 500 shown)" in about
 
         # Backfill: a new price row for input tokens, in force from before the events.
         catalog = tmp_path / "catalog-2.toml"
@@ -152,7 +174,11 @@ def test_events_sent_over_http_are_swept_priced_and_reported_then_backfilled(
         backfill = rerate(occurred_from="2026-11-01T00:00:00Z", occurred_to="2026-11-02T00:00:00Z",
                           accounts=["acct_a"], data_dir=str(svc.data_dir))
         assert backfill["events"] == 3
+        monkeypatch.setitem(_ARTIFACTS, "day", ("usage-report-days", "Daily usage", 3))
         second = publish_usage_reports(data_dir=str(svc.data_dir))
+        days, about = artifact_rows("usage-report-days")   # cut at 3 rows: the newest day's
+        assert [r[0] for r in days] == ["2026-11-02"] * 3 and "3 of 5 rows" in about
+        assert second["rows"] == {"day": 5, "month": 5}
         month = [row for row in lake_query(svc.data_dir, REPORT.format(run_id=second["run_id"]))
                  if row[0] == "month"]
         assert month == [
