@@ -19,8 +19,14 @@ import msgspec
 import pytest
 
 from api.events.ingest import to_record
-from pipelines.catalog import load_catalog
+from api.events.inline_rating import InlineRater, write_inline_ratings
+from pipelines.aggregate_days import close_aggregate_days
+from pipelines.catalog import Catalog, load_catalog
 from pipelines.events import EventIn, ValidEvent, validate_event
+from pipelines.rating_plan import RatingPlan
+from pipelines.rating_runs import RatingLock, current_ratings_sql
+from pipelines.rerate import rerate
+from pipelines.usage_reports import build_usage_report
 from tests.conftest import tollgate
 from warehouse.catalog_history import record_catalog
 from warehouse.export import LakeExporter
@@ -49,6 +55,8 @@ unit = "token"
 unit = "token"
 [realms.acme.meters."api.calls"]
 unit = "request"
+[realms.acme.meters."seats"]
+unit = "seat"
 
 [realms.acme.features."llm.chat"]
 family = "llm"
@@ -58,6 +66,9 @@ meters = ["llm.input_tokens", "llm.output_tokens"]
 [realms.acme.features."api.search"]
 family = "api"
 primary_meter = "api.calls"
+
+[realms.acme.features."team.seats"]
+primary_meter = "seats"
 
 [[realms.acme.prices]]
 meter = "llm.input_tokens"
@@ -69,12 +80,28 @@ effective_at = "2026-01-01T00:00:00Z"
 meter = "llm.output_tokens"
 unit_price_xusd = "600"
 unit_quantity_minor = "1000"
+rounding = "ceil"
 effective_at = "2026-01-01T00:00:00Z"
 
 [[realms.acme.prices]]
 meter = "api.calls"
 unit_price_xusd = "2000"
 effective_at = "2026-01-01T00:00:00Z"
+
+[[realms.acme.prices]]
+meter = "seats"
+unit_price_xusd = "1000"
+effective_at = "2026-01-01T00:00:00Z"
+
+[[realms.acme.policies]]
+id = "seats"
+
+[[realms.acme.policies.versions]]
+version = "v1"
+effective_at = "2026-01-01T00:00:00Z"
+dsl_json = '''{"dsl_version": "v1", "engine": "aggregate", "match": {"event_type": "seats.snapshot"},
+ "emit": {"intents": [{"feature_code": "team.seats", "meters": [
+   {"meter_code": "seats", "quantity_minor": {"agg": {"op": "max", "of": {"payload": "seats"}}}}]}]}}'''
 
 [[realms.acme.policies]]
 id = "llm-completions"
@@ -86,7 +113,11 @@ dsl_json = '''{"dsl_version": "v1", "engine": "single", "match": {"event_type": 
  "emit": {"intents": [{"feature_code": "llm.chat", "meters": [
    {"meter_code": "llm.input_tokens", "quantity_minor": {"payload_int": "usage.input_tokens", "default": 0}},
    {"meter_code": "llm.output_tokens", "quantity_minor": {"payload_int": "usage.output_tokens", "default": 0}}]}]}}'''
+"""
 
+# Version 2026-11 of llm-completions (the last policy above) and a price of 200 per 1000 input
+# tokens, both in force from 2026-11-01.
+NOVEMBER = """
 [[realms.acme.policies.versions]]
 version = "2026-11"
 effective_at = "2026-11-01T00:00:00Z"
@@ -94,20 +125,35 @@ dsl_json = '''{"dsl_version": "v1", "engine": "single", "match": {"event_type": 
  "emit": {"intents": [{"feature_code": "llm.chat", "meters": [
    {"meter_code": "llm.input_tokens", "quantity_minor": {"payload_int": "usage.input_tokens", "default": 0}},
    {"meter_code": "llm.output_tokens", "quantity_minor": {"payload_int": "usage.output_tokens", "default": 0}}]}]}}'''
+
+[[realms.acme.prices]]
+meter = "llm.input_tokens"
+unit_price_xusd = "200"
+unit_quantity_minor = "1000"
+effective_at = "2026-11-01T00:00:00Z"
 """
 
-# (name, account, event type, occurred_at, input tokens, output tokens, labels)
+
+def catalog_text(*, november: bool) -> str:
+    """Realm acme: LLM tokens (policy llm-completions), API calls and seats (an aggregate
+    policy: the day's most seats); with `november`, NOVEMBER too."""
+    return CATALOG + (NOVEMBER if november else "")
+
+
+# (name, account, event type, occurred_at, input tokens, output tokens, labels, how it came in,
+# created_at). Every event but e5 came in before the first sweep.
+LATER, LAST = RECEIVED + timedelta(hours=2), RECEIVED + timedelta(hours=3)
 EVENTS = [
-    ("e1", "acct_a", "llm.completion", "2026-11-22T09:00:00Z", 1200, 300, {"env": "prod", "n": 2}),
-    ("e2", "acct_a", "llm.completion", "2026-11-21T23:30:00Z", 2000, 0, {}),  # 12.5 h late
-    ("e3", "acct_b", "llm.completion", "2026-11-22T10:00:00Z", 1000, 500, {"ok": True}),
-    ("e4", "acct_b", "job.done", "2026-11-22T08:00:00Z", 0, 0, {}),  # no policy matches
-]
-# Inline ratings: (event, line, meter, quantity, amount) or (event, None, ...) for a skip.
-INLINE = [
-    ("e1", 0, "llm.input_tokens", 1200, 180), ("e1", 1, "llm.output_tokens", 300, 180),
-    ("e2", 0, "llm.input_tokens", 2000, 300), ("e2", 1, "llm.output_tokens", 0, 0),
-    ("e3", 0, "llm.input_tokens", 1000, 150), ("e3", 1, "llm.output_tokens", 500, 300),
+    ("e1", "acct_a", "llm.completion", "2026-11-22T09:00:00Z", 1200, 300, {"env": "prod", "n": 2}, "single", RECEIVED),
+    ("e2", "acct_a", "llm.completion", "2026-11-21T23:30:00Z", 2000, 0, {}, "single", RECEIVED),  # 12.5 h late
+    ("e3", "acct_b", "llm.completion", "2026-11-22T10:00:00Z", 1000, 500, {"ok": True}, "single", RECEIVED),
+    ("e4", "acct_b", "job.done", "2026-11-22T08:00:00Z", 0, 0, {}, "single", RECEIVED),  # no policy matches
+    # Seat counts of acct_a's 2026-11-20, an aggregate day; s3 arrives after the day was closed.
+    ("s1", "acct_a", "seats.snapshot", "2026-11-20T08:00:00Z", 3, 0, {}, "batch", RECEIVED),
+    ("s2", "acct_a", "seats.snapshot", "2026-11-20T15:00:00Z", 5, 0, {}, "batch", RECEIVED),
+    ("s3", "acct_a", "seats.snapshot", "2026-11-20T20:00:00Z", 7, 0, {}, "batch", LATER),
+    # Rated inline only: no sweep has run since it came in.
+    ("e5", "acct_b", "llm.completion", "2026-11-22T14:30:00Z", 4000, 100, {}, "single", LAST),
 ]
 # Gate commit lines: (commit, account, meter, quantity, amount, committed_at)
 COMMITS = [
@@ -117,74 +163,108 @@ COMMITS = [
 ]
 
 
-def _event(name: str, account: str, event_type: str, occurred: str, tokens_in: int, tokens_out: int,
-           labels: dict[str, Any]) -> ValidEvent:
+def _event(name: str, account: str, event_type: str, occurred: str, first: int, second: int,
+           labels: dict[str, Any], now: datetime) -> ValidEvent:
+    payload: dict[str, Any] = ({"seats": first} if event_type == "seats.snapshot" else
+                               {"usage": {"input_tokens": first, "output_tokens": second}})
     body = {"semantic_kind": "activity", "event_type": event_type, "occurred_at": occurred,
-            "subject_ref": name, "labels": labels,
-            "payload": {"usage": {"input_tokens": tokens_in, "output_tokens": tokens_out}}}
+            "subject_ref": name, "labels": labels, "payload": payload}
     item = msgspec.json.decode(json.dumps(body).encode(), type=EventIn)
-    event = validate_event(item, realm="acme", billing_account_id=account, now=RECEIVED,
+    event = validate_event(item, realm="acme", billing_account_id=account, now=now,
                            max_future_skew_seconds=300)
     assert isinstance(event, ValidEvent), event
     return event
 
 
+class _Applied:
+    """The applied catalog, as the inline rater reads it."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self.current = catalog
+
+
 def build_lake(data_dir: Path) -> dict[str, str]:
-    """A lake as the service and a re-rating run would leave it; the event ids by name."""
-    record_catalog(data_dir, load_catalog(CATALOG))
+    """A lake as the service and the rating runs leave it; the event ids by name.
+
+    The service takes e1-e4 (single, rated inline), s1 and s2 (a batch) and two gate
+    commits; close-aggregate-days sweeps them and rates acct_a's seats of 2026-11-20; a new
+    catalog (version 2026-11, input tokens at 200) comes in and e3 is re-rated; s3 arrives
+    late for the closed day, which the next close rates again; e5 is rated inline only."""
+    first, second = load_catalog(catalog_text(november=False)), load_catalog(catalog_text(november=True))
+    record_catalog(data_dir, first, applied_at=datetime(2026, 10, 1, tzinfo=timezone.utc))
     conn = open_operational(data_dir / "operational.duckdb")
-    outbox = EventOutbox(conn)
-    conn.execute("BEGIN")
-    tx = Transaction(conn, RECEIVED)
-    ids = {}
-    for spec in EVENTS:
-        event = _event(*spec)
-        ids[spec[0]] = event.event_id
-        outbox.stage(tx, "acme", to_record(event), "single")
-    tx.flush()
-    tx.commit()
-    conn.execute("COMMIT")
-    occurred = {spec[0]: spec[3] for spec in EVENTS}
-    accounts = {spec[0]: spec[1] for spec in EVENTS}
-    rated = RECEIVED + timedelta(seconds=1)
-    for seq, (name, line, meter, qty, amount) in enumerate(INLINE, start=1):
-        # Rated inline before version 2026-11 was added (with an effective_at in the past).
-        conn.execute("INSERT INTO inline_ratings VALUES (?, ?, ?, 'acme', ?, 'rated', 'llm-completions', "
-                     "'2026-01', 'llm.chat', ?, ?, ?, ?, 1000, ?, ?, ?, ?)",
-                     [seq, f"r-{name}-{line}", ids[name], accounts[name], meter, qty,
-                      f"{meter}@2026-01-01T00:00:00Z", 150 if "input" in meter else 600, amount,
-                      occurred[name], rated, line])
-    conn.execute("INSERT INTO inline_ratings VALUES (7, 'r-e4', ?, 'acme', 'acct_b', 'skipped_no_policy', "
-                 "NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, ?, ?, NULL)",
-                 [ids["e4"], occurred["e4"], rated])
+    outbox, exporter = EventOutbox(conn), LakeExporter(data_dir)
+    ids: dict[str, str] = {}
+
+    def accept(names: list[str], rater: InlineRater) -> dict[str, int]:
+        """The events of `names`, as the service accepts and exports them."""
+        specs = [spec for spec in EVENTS if spec[0] in names]
+        conn.execute("BEGIN")
+        tx = Transaction(conn, specs[0][8])
+        singles = []
+        for name, *facts, path, created in specs:
+            event = _event(name, *facts, created)
+            ids[name] = event.event_id
+            outbox.stage(tx, "acme", to_record(event), path)
+            if path == "single":
+                singles.append(("acme", to_record(event)))
+        tx.flush()
+        tx.commit()
+        conn.execute("COMMIT")
+        if rows := rater.rate(conn, singles):
+            write_inline_ratings(conn, rows)
+        return exporter.export_once(conn)
+
+    assert accept(["e1", "e2", "e3", "e4", "s1", "s2"], InlineRater(_Applied(first))) == {
+        "events": 6, "commit_lines": 0, "inline_ratings": 7}
     for seq, (commit, account, meter, qty, amount, at) in enumerate(COMMITS, start=1):
         conn.execute("INSERT INTO commit_lines VALUES (?, ?, ?, 'lease', 'acme', ?, 'team', ?, ?, ?, ?, "
                      "1, 1, 'floor', 0, 0, ?, 'fp', ?)",
                      [seq, f"{commit}:{seq}", commit, account, "api.search" if "api" in meter else "llm.chat",
                       meter, qty, f"{meter}@2026-01-01T00:00:00Z", amount, at])
-    assert LakeExporter(data_dir).export_once(conn) == {"events": 4, "commit_lines": 3, "inline_ratings": 7}
-    conn.close()
+    assert exporter.export_once(conn) == {"events": 0, "commit_lines": 3, "inline_ratings": 0}
 
-    # A rerate of e3 under version 2026-11, a day later: reversals of its inline rows, then new rows.
-    lake = connect_lake(data_dir)
-    run, at = "rerate-1", RECEIVED + timedelta(days=1)
-    lake.execute("INSERT INTO lake.rating_runs VALUES (?, 'rerate', 'succeeded', ?, ?, '{}', 1, 4)", [run, at, at])
-    for line, meter, qty, old, new in ((0, "llm.input_tokens", 1000, 150, 200), (1, "llm.output_tokens", 500, 300, 400)):
-        for status, q, amount in (("reversal", -qty, -old), ("rated", qty, new)):
-            lake.execute(
-                "INSERT INTO lake.rating_rows VALUES (?, ?, 'event', ?, ?::UUID, 'acme', 'acct_b', ?, "
-                "'llm-completions', '2026-11', 'llm.chat', ?, ?, NULL, NULL, NULL, ?, ?, ?, ?, NULL)",
-                [f"{run}-{status}-{line}", run, ids["e3"], ids["e3"], status, meter, q, amount,
-                 occurred["e3"], at, line])
+    lake, lock = connect_lake(data_dir), RatingLock(data_dir / "lake" / "rating.lock")
+    lateness = {"acme": first.realms["acme"].settings.lateness_allowance_seconds}
+    runs = close_aggregate_days(lake, RatingPlan.from_catalog(first), lock, lateness=lateness, now=RECEIVED)
+    assert [(r.kind, r.events) for r in runs] == [("sweep", 6), ("aggregate", 1)]
+    record_catalog(data_dir, second, applied_at=RECEIVED + timedelta(hours=1))
+    plan = RatingPlan.from_catalog(second)
+    [run] = rerate(lake, plan, lock, occurred_from=datetime(2026, 11, 22, tzinfo=timezone.utc),
+                   occurred_to=datetime(2026, 11, 23, tzinfo=timezone.utc), accounts=["acct_b"],
+                   policy_ids=["llm-completions"])
+    assert run.events == 1  # e3
+    rater = InlineRater(_Applied(second))
+    assert accept(["s3"], rater) == {"events": 1, "commit_lines": 0, "inline_ratings": 0}
+    runs = close_aggregate_days(lake, plan, lock, lateness=lateness, now=LATER)
+    assert [(r.kind, r.events) for r in runs] == [("sweep", 1), ("aggregate", 1)]
+    assert accept(["e5"], rater) == {"events": 1, "commit_lines": 0, "inline_ratings": 2}
     lake.close()
+    exporter.close()
+    conn.close()
     return ids
 
 
+# Amounts worked out by hand (see the tests below): the current batch rows (e1, e2, e3
+# rerated, the seats day), and every current row (with e5's inline rows and the gate lines).
+BATCH = (150 + 600) + (300 + 0) + (200 + 600) + 7000
+CURRENT = BATCH + (800 + 600) + (6000 + 750 + 600)
+
+
 @pytest.fixture(scope="module")
-def lake_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
     data_dir = tmp_path_factory.mktemp("lake")
-    build_lake(data_dir)
-    yield data_dir
+    return data_dir, build_lake(data_dir)
+
+
+@pytest.fixture(scope="module")
+def lake_dir(built: tuple[Path, dict[str, str]]) -> Path:
+    return built[0]
+
+
+@pytest.fixture(scope="module")
+def event_ids(built: tuple[Path, dict[str, str]]) -> dict[str, str]:
+    return built[1]
 
 
 def sql(data_dir: Path, query: str, fmt: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -206,8 +286,9 @@ def test_json_is_an_array_of_objects_with_integers_and_iso_times(lake_dir: Path)
     assert events[0]["labels"] == {"env": "prod", "n": 2}
     assert re.fullmatch(r"[0-9a-f-]{36}", events[0]["event_id"])
     assert json.loads(sql(lake_dir, "SELECT 1 AS x WHERE false", "json").stdout) == []
+    # Every row: inline (e1-e4, then e5), batch runs (see CURRENT) and gate commits.
     assert json.loads(sql(lake_dir, "SELECT sum(amount_xusd) AS total FROM ratings", "json").stdout) == [
-        {"total": 180 + 180 + 300 + 0 + 200 + 400 + 6000 + 750 + 600}]
+        {"total": (150 + 600 + 300 + 0 + 150 + 600) + (800 + 600) + BATCH + (6000 + 750 + 600)}]
 
 
 def raw_sql(data_dir: Path, *args: str, stdin: str = "") -> tuple[str, str]:
@@ -266,7 +347,7 @@ def test_a_bad_query_fails_clearly(lake_dir: Path, tmp_path: Path) -> None:
 def test_without_a_query_statements_are_read_from_stdin(lake_dir: Path) -> None:
     out, err = raw_sql(lake_dir, "--format", "csv", stdin="SELECT count(*) AS n\nFROM events;\n"
                        "INSERT INTO events (realm) VALUES ('x');\nSELECT 'x' AS y;\n")
-    assert out == "n\r\n4\r\ny\r\nx\r\n"
+    assert out == "n\r\n8\r\ny\r\nx\r\n"
     assert "read-only" in err
 
 
@@ -298,47 +379,77 @@ def run(conn: duckdb.DuckDBPyConnection, name: str) -> list[tuple[Any, ...]]:
 
 def test_the_guide_has_the_promised_questions() -> None:
     assert set(guide_queries()) == {
-        "current ratings", "usage by account and day", "revenue by meter",
+        "current ratings", "batch rows add up to their current rows", "the catalog in force",
+        "usage by account and day", "revenue by meter",
         "late events and the day they were billed to", "late revenue by day of arrival",
         "events without a policy", "amounts by policy version", "what a re-rating changed, per run"}
 
 
-def test_current_ratings_are_the_latest_run_without_reversals(analyst: duckdb.DuckDBPyConnection) -> None:
-    rows = analyst.execute(f"SELECT rating_id, run_id, status, amount_xusd FROM ({guide_queries()['current ratings'].rstrip().rstrip(';')})").fetchall()
-    ids = {r[0] for r in rows}
-    assert len(rows) == 10  # 4 lines of e1 and e2, 2 rerated lines of e3, e4's skip, 3 gate lines
-    assert {"rerate-1-rated-0", "rerate-1-rated-1"} <= ids
-    assert not {"r-e3-0", "r-e3-1", "rerate-1-reversal-0"} & ids
-    assert sum(r[3] or 0 for r in rows) == analyst.execute("SELECT sum(amount_xusd) FROM ratings").fetchone()[0]
+def test_current_ratings_are_what_the_flows_take_as_current(analyst: duckdb.DuckDBPyConnection,
+                                                            event_ids: dict[str, str]) -> None:
+    guide = guide_queries()["current ratings"].rstrip().rstrip(";")
+    columns = "run_id, source_id, status, policy_version, meter_code, quantity_minor, amount_xusd"
+    rows = analyst.execute(f"SELECT {columns} FROM ({guide}) ORDER BY ALL").fetchall()
+    assert rows == analyst.execute(f"SELECT {columns} FROM ({current_ratings_sql()}) ORDER BY ALL").fetchall()
+    # e1, e2, e3 (rerated), e4: 7 lines; s1-s3 deferred, their day's line; e5 inline; 3 gate lines
+    assert len(rows) == 16
+    ids = event_ids
+    assert {r[0] for r in rows if r[1] == ids["e5"]} == {"inline"}
+    assert {r[0].split("-")[0] for r in rows if r[1] in (ids["e1"], ids["e3"])} == {"sweep", "rerate"}
+    assert sum(r[6] or 0 for r in rows) == CURRENT
+    # Inline rows of swept events are superseded without reversals: every row sums to more.
+    assert analyst.execute("SELECT sum(amount_xusd) FROM ratings").fetchone()[0] == CURRENT + 1800
+
+
+def test_batch_rows_add_up_to_their_current_rows(analyst: duckdb.DuckDBPyConnection) -> None:
+    assert run(analyst, "batch rows add up to their current rows") == [(BATCH, BATCH)]
+
+
+def test_the_catalog_in_force_is_the_latest_applied(analyst: duckdb.DuckDBPyConnection) -> None:
+    november = load_catalog(catalog_text(november=True)).fingerprint
+    assert run(analyst, "the catalog in force") == [(november, RECEIVED + timedelta(hours=1))]
 
 
 def test_usage_by_account_and_day(analyst: duckdb.DuckDBPyConnection) -> None:
     day = datetime(2026, 11, 22).date()
-    assert [r[:5] for r in run(analyst, "usage by account and day")] == [
-        ("acct_a", datetime(2026, 11, 21).date(), "llm.input_tokens", 2000, 300),
-        ("acct_a", datetime(2026, 11, 21).date(), "llm.output_tokens", 0, 0),
-        ("acct_a", day, "api.calls", 3, 6000),
-        ("acct_a", day, "llm.input_tokens", 1200, 180),
-        ("acct_a", day, "llm.output_tokens", 300, 180),
-        ("acct_b", day, "llm.input_tokens", 6000, 950),
-        ("acct_b", day, "llm.output_tokens", 1500, 1000),
+    assert run(analyst, "usage by account and day") == [
+        # the aggregate day: most seats 7 (s3, late) at 1000 each; one source
+        ("acct_a", datetime(2026, 11, 20).date(), "seats", 7, 7000, 1),
+        # swept with carry: e2 2000 -> 2 blocks of 150; e1 1200 -> A(3200) - A(2000) = 150
+        ("acct_a", datetime(2026, 11, 21).date(), "llm.input_tokens", 2000, 300, 1),
+        ("acct_a", datetime(2026, 11, 21).date(), "llm.output_tokens", 0, 0, 1),
+        ("acct_a", day, "api.calls", 3, 6000, 1),
+        ("acct_a", day, "llm.input_tokens", 1200, 150, 1),
+        ("acct_a", day, "llm.output_tokens", 300, 600, 1),      # 1 block, ceil
+        # e3 rerated (1000 at 200), c2 (750), e5 inline (4000 at 200)
+        ("acct_b", day, "llm.input_tokens", 10000, 200 + 750 + 800, 3),
+        ("acct_b", day, "llm.output_tokens", 1600, 600 + 600 + 600, 3),
     ]
 
 
 def test_revenue_by_meter(analyst: duckdb.DuckDBPyConnection) -> None:
     rows = run(analyst, "revenue by meter")
     assert [(r[1], r[2], str(r[3])) for r in rows] == [
-        ("api.calls", 6000, "0.006000"), ("llm.input_tokens", 1430, "0.001430"),
-        ("llm.output_tokens", 1180, "0.001180")]
+        ("seats", 7000, "0.007000"), ("api.calls", 6000, "0.006000"),
+        ("llm.output_tokens", 2400, "0.002400"), ("llm.input_tokens", 2200, "0.002200")]
 
 
-def test_late_events(analyst: duckdb.DuckDBPyConnection, lake_dir: Path) -> None:
+def test_late_events(analyst: duckdb.DuckDBPyConnection, event_ids: dict[str, str]) -> None:
     late = run(analyst, "late events and the day they were billed to")
-    assert len(late) == 3  # all arrived at 12:00; e3 happened at 10:00, exactly 2 h before
-    e2 = late[0]
-    assert e2[5] == timedelta(hours=12, minutes=30)
-    assert (e2[6], e2[7], e2[8]) == (datetime(2026, 11, 22).date(), datetime(2026, 11, 21).date(), 300)
-    assert run(analyst, "late revenue by day of arrival") == [(datetime(2026, 11, 22).date(), 1, 300)]
+    names = {str(v): k for k, v in event_ids.items()}
+    nov = [datetime(2026, 11, d).date() for d in (20, 21, 22)]
+    # e3 happened exactly 2 h before it arrived, e5 half an hour: not late.
+    assert [(names[str(r[0])], r[5], r[7], r[8]) for r in late] == [
+        ("s1", timedelta(days=2, hours=4), nov[0], 7000),       # the whole day's amount
+        ("s2", timedelta(days=1, hours=21), nov[0], 7000),
+        ("s3", timedelta(days=1, hours=18), nov[0], 7000),
+        ("e2", timedelta(hours=12, minutes=30), nov[1], 300),
+        ("e4", timedelta(hours=4), nov[2], None),                # no policy: nothing billed
+        ("e1", timedelta(hours=3), nov[2], 150 + 600)]
+    assert {r[6] for r in late} == {nov[2]}
+    # e2 (300, billed to the 21st) and the seats day (7000, to the 20th; its last event, s3,
+    # arrived on the 22nd).
+    assert run(analyst, "late revenue by day of arrival") == [(nov[2], 2, 7300)]
 
 
 def test_events_without_a_policy(analyst: duckdb.DuckDBPyConnection) -> None:
@@ -348,13 +459,34 @@ def test_events_without_a_policy(analyst: duckdb.DuckDBPyConnection) -> None:
 
 def test_a_policy_versions_effect(analyst: duckdb.DuckDBPyConnection) -> None:
     rows = run(analyst, "amounts by policy version")
-    assert [(r[1], r[2], r[3], r[4], r[6]) for r in rows] == [
-        ("llm-completions", "2026-01", datetime(2026, 1, 1, tzinfo=timezone.utc), 2, 180 + 180 + 300 + 0),
-        ("llm-completions", "2026-11", datetime(2026, 11, 1, tzinfo=timezone.utc), 1, 200 + 400)]
-    changes = run(analyst, "what a re-rating changed, per run")
-    assert [(r[0], r[1], r[3], r[5]) for r in changes] == [
-        ("inline", "inline", "rated", 1110), ("inline", "inline", "skipped_no_policy", None),
-        ("rerate-1", "rerate", "rated", 600), ("rerate-1", "rerate", "reversal", -450)]
+    jan, nov = datetime(2026, 1, 1, tzinfo=timezone.utc), datetime(2026, 11, 1, tzinfo=timezone.utc)
+    assert [r[1:] for r in rows] == [
+        # (policy, version, effective_at, events, aggregate days, quantity, amount)
+        ("llm-completions", "2026-01", jan, 2, 0, 1200 + 300 + 2000 + 0, 150 + 600 + 300 + 0),   # e1, e2
+        ("llm-completions", "2026-11", nov, 2, 0, 1000 + 500 + 4000 + 100, 200 + 600 + 800 + 600),  # e3, e5
+        ("seats", "v1", jan, 3, 1, 7, 7000)]
+    changes = [(r[1], r[2], r[3], r[4], r[5]) for r in run(analyst, "what a re-rating changed, per run")]
+    assert changes == [
+        ("inline", "2026-01", "rated", 6, 150 + 600 + 300 + 0 + 150 + 600),
+        ("inline", None, "skipped_no_policy", 1, None),
+        ("sweep", "v1", "deferred", 2, None),
+        ("sweep", "2026-01", "rated", 6, 1800),
+        ("sweep", None, "skipped_no_policy", 1, None),
+        ("aggregate", "v1", "rated", 1, 5000),                  # s1, s2: 5 seats
+        ("rerate", "2026-11", "rated", 2, 200 + 600),           # e3 under 2026-11
+        ("rerate", "2026-01", "reversal", 2, -(150 + 600)),
+        ("sweep", "v1", "deferred", 1, None),                   # s3, late
+        ("aggregate", "v1", "rated", 1, 7000),
+        ("aggregate", "v1", "reversal", 1, -5000),
+        ("inline", "2026-11", "rated", 2, 800 + 600)]           # e5
+
+
+def test_an_aggregate_day_counts_once_in_a_usage_report(analyst: duckdb.DuckDBPyConnection) -> None:
+    report = build_usage_report(analyst, "report-x", RECEIVED).to_pylist()
+    seats = [(r["period"], r["quantity_minor"], r["amount_xusd"], r["event_count"], r["line_count"])
+             for r in report if r["meter_code"] == "seats"]
+    assert seats == [("day", 7, 7000, 1, 1), ("month", 7, 7000, 1, 1)]  # three events, one day
+    assert sum(r["amount_xusd"] for r in report if r["period"] == "month") == CURRENT
 
 
 def test_without_a_query_a_duckdb_shell_of_the_same_version_gets_the_session(lake_dir: Path, tmp_path: Path) -> None:
