@@ -45,16 +45,17 @@ def apply_catalog(settings: Settings, text: str) -> tuple[bool, str]:
         faults = _grant_changes(previous, catalog)
         if faults:
             return False, "\n".join(f"  {f}" for f in faults)
-    store.apply(text, catalog.fingerprint)
-    realms = ", ".join(sorted(catalog.realms)) or "(none)"
-    message = f"catalog {catalog.fingerprint} applied (realms: {realms})"
     from warehouse.catalog_history import record_catalog  # DuckDB loads only when applying
 
+    # The lake first: the flows rate under the catalog the lake records last, so a catalog
+    # the lake could not record is not applied at all (the service keeps the one before).
     try:
         record_catalog(settings.data_dir, catalog)
-    except Exception as exc:  # noqa: BLE001 (the catalog is in force; only its lake history is missing)
-        return True, f"{message}\n  warning: not recorded in the lake ({exc}); apply it again to record it"
-    return True, message
+    except Exception as exc:  # noqa: BLE001 (any failure: nothing is applied, say why)
+        return False, f"  the lake could not record the catalog, so it was not applied: {exc}"
+    store.apply(text, catalog.fingerprint)
+    realms = ", ".join(sorted(catalog.realms)) or "(none)"
+    return True, f"catalog {catalog.fingerprint} applied (realms: {realms})"
 
 
 def _grant_changes(previous_text: str, catalog: object) -> list[str]:

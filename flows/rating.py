@@ -41,10 +41,9 @@ def _report(runs: list[RunSummary]) -> dict[str, Any]:
 def rate_events(data_dir: str | None = None, chunk_events: int = CHUNK_EVENTS) -> dict[str, Any]:
     """Rate every event of the lake that no batch run has rated yet."""
     folder = resolve_data_dir(data_dir)
-    catalog = applied_catalog(folder)
     conn = open_lake(folder)
     try:
-        plan = RatingPlan.from_catalog(catalog)
+        plan = RatingPlan.from_catalog(applied_catalog(folder, conn))
         runs = with_lake_retry(lambda: sweep(conn, plan, rating_lock(folder), chunk_events=chunk_events,
                                              scratch=scratch_dir(folder)), attempts=_ATTEMPTS)
     finally:
@@ -63,11 +62,11 @@ def rerate(occurred_from: str, occurred_to: str, accounts: list[str] | None = No
     `accounts` and `policy_ids` when given, under the catalog applied now; then rate again
     the closed aggregate days this changed."""
     folder = resolve_data_dir(data_dir)
-    catalog = applied_catalog(folder)
-    plan = RatingPlan.from_catalog(catalog)
-    progress = RunProgress(f"rerate {occurred_from} .. {occurred_to}", key="rerate-progress")
     conn = open_lake(folder)
     try:
+        catalog = applied_catalog(folder, conn)
+        plan = RatingPlan.from_catalog(catalog)
+        progress = RunProgress(f"rerate {occurred_from} .. {occurred_to}", key="rerate-progress")
         runs = rerate_events(conn, plan, rating_lock(folder),
                              occurred_from=parse_instant(occurred_from),
                              occurred_to=parse_instant(occurred_to), accounts=accounts,
@@ -88,10 +87,10 @@ def close_aggregate_days(data_dir: str | None = None, now: str | None = None) ->
     """Sweep, then rate the aggregate days closed (day end + the realm's lateness allowance)
     that are new or changed by late events."""
     folder = resolve_data_dir(data_dir)
-    catalog = applied_catalog(folder)
     moment = parse_instant(now) if now else datetime.now(timezone.utc)
     conn = open_lake(folder)
     try:
+        catalog = applied_catalog(folder, conn)
         plan = RatingPlan.from_catalog(catalog)
         runs = with_lake_retry(lambda: close_days(
             conn, plan, rating_lock(folder), lateness=_lateness(catalog), now=moment,

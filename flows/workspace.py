@@ -14,6 +14,7 @@ import duckdb
 
 from pipelines.catalog import Catalog, load_catalog
 from pipelines.rating_runs import RatingLock
+from warehouse.catalog_history import latest_catalog_source
 from warehouse.catalog_store import CatalogStore
 from warehouse.lake import connect_lake
 
@@ -45,9 +46,14 @@ def open_lake(data_dir: Path) -> duckdb.DuckDBPyConnection:
     return conn
 
 
-def applied_catalog(data_dir: Path) -> Catalog:
-    """The catalog applied with `tollgate catalog apply` (an empty one before the first)."""
-    text = CatalogStore(data_dir / "catalog").read()
+def applied_catalog(data_dir: Path, conn: duckdb.DuckDBPyConnection) -> Catalog:
+    """The catalog applied last with `tollgate catalog apply`, as the lake records it (`conn`
+    has the lake attached): a flow needs nothing of the service's folder but the lake. A
+    lake with no catalog recorded falls back to the service's applied file (an empty
+    catalog before the first apply)."""
+    text = latest_catalog_source(conn)
+    if text is None:
+        text = CatalogStore(data_dir / "catalog").read()
     return Catalog.empty() if text is None else load_catalog(text)
 
 

@@ -62,8 +62,12 @@ class LakeFeed:
 
 
 def apply_catalog(data_dir: Path, text: str) -> RatingPlan:
-    """Store `text` as the applied catalog of `data_dir`; its rating plan."""
+    """Apply `text` to `data_dir` as `tollgate catalog apply` does (recorded in the lake, then
+    stored for the service); its rating plan."""
+    from warehouse.catalog_history import record_catalog
+
     catalog = load_catalog(text)
+    record_catalog(data_dir, catalog)
     CatalogStore(data_dir / "catalog").apply(text, catalog.fingerprint)
     return RatingPlan.from_catalog(catalog)
 

@@ -149,3 +149,39 @@ def test_an_invalid_catalog_records_nothing(tmp_path: Path) -> None:
     result = tollgate("catalog", "apply", str(bad), data_dir=tmp_path, check=False)
     assert result.returncode == 1
     assert not (tmp_path / "lake" / "catalog.sqlite").exists()
+
+
+def test_flows_rate_under_the_catalog_the_lake_recorded_last(tmp_path: Path) -> None:
+    import shutil
+
+    from flows.workspace import applied_catalog
+    from warehouse.catalog_store import CatalogStore
+
+    def in_force() -> str:
+        conn = connect_lake(tmp_path)
+        try:
+            return applied_catalog(tmp_path, conn).fingerprint
+        finally:
+            conn.close()
+
+    first = (FIXTURES / "catalog.toml").read_text()
+    second = first.replace('unit_price_xusd = "150"', 'unit_price_xusd = "175"', 1)
+    CatalogStore(tmp_path / "catalog").apply(first, load_catalog(first).fingerprint)
+    assert in_force() == load_catalog(first).fingerprint  # nothing in the lake yet: the file
+    for text in (second, first, second):
+        path = tmp_path / "apply.toml"
+        path.write_text(text)
+        tollgate("catalog", "apply", str(path), data_dir=tmp_path)
+        assert in_force() == load_catalog(text).fingerprint
+    shutil.rmtree(tmp_path / "catalog")  # a flow worker without the service's folder
+    assert in_force() == load_catalog(second).fingerprint
+
+
+def test_a_catalog_the_lake_cannot_record_is_not_applied(tmp_path: Path) -> None:
+    from warehouse.catalog_store import CatalogStore
+
+    (tmp_path / "lake").mkdir()
+    (tmp_path / "lake" / "catalog.sqlite").write_text("not a database")  # the lake is unusable
+    done = tollgate("catalog", "apply", str(FIXTURES / "catalog.toml"), data_dir=tmp_path, check=False)
+    assert done.returncode != 0 and "not applied" in done.stdout + done.stderr
+    assert CatalogStore(tmp_path / "catalog").read() is None

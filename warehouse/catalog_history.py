@@ -132,3 +132,17 @@ def _append(conn: duckdb.DuckDBPyConnection, fingerprint: str, rows: CatalogRows
                 marks = ", ".join("?" * len(table_rows[0]))
                 conn.executemany(f"INSERT INTO lake.{table} VALUES ({marks})", table_rows)
     return new
+
+
+def latest_catalog_source(conn: duckdb.DuckDBPyConnection) -> str | None:
+    """The text of the catalog applied last, from the lake attached to `conn` as `lake`
+    (None before the first apply)."""
+    # On a cursor closed at once: a read of DuckLake's SQLite catalog otherwise keeps a lock
+    # on it until the connection's next statement, and other processes' commits fail.
+    cursor = conn.cursor()
+    try:
+        row = cursor.execute("SELECT source FROM lake.catalog_versions"
+                             " ORDER BY applied_at DESC, fingerprint LIMIT 1").fetchone()
+    finally:
+        cursor.close()
+    return None if row is None else str(row[0])
