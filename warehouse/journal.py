@@ -78,8 +78,9 @@ class Journal:
 
     def __init__(self, path: Path, *, prefill: int = 0) -> None:
         self.path = path
-        created = not path.exists()
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        created = bool(prefill) or not path.exists()
+        # A prefilled journal is always a new file (never one that may hold groups).
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | (os.O_EXCL if prefill else 0), 0o600)
         self.broken = False
         self.prefilled = False
         if created and prefill:
@@ -124,7 +125,7 @@ class Journal:
             inside = min(self._length, at + size) - at
             if inside > 0:
                 os.pwrite(self._fd, bytes(inside), at)
-                os.fdatasync(self._fd)
+            os.fdatasync(self._fd)  # the failed group must not come back after a power loss
         except OSError:
             self.broken = True
 
@@ -295,16 +296,20 @@ class JournaledStore:
             os.rename(spare.path, path)
             self._spare = None
             spare.path = path
+            self._segments.append(spare)
             _sync_dir(self._dir)
             journal = spare
         else:
             journal = Journal(path)
-        self._segments.append(journal)
+            self._segments.append(journal)
         self._prepare_spare_soon()
         return journal
 
     def _prepare_spare_soon(self) -> None:
-        if self._spare is not None or (self._spare_thread is not None and self._spare_thread.is_alive()):
+        # The thread first: it sets `_spare` before it ends, so once it is not alive the
+        # value read next is final (the other order could start a second thread that
+        # adopts the first one's file).
+        if (self._spare_thread is not None and self._spare_thread.is_alive()) or self._spare is not None:
             return
         self._spare_thread = threading.Thread(target=self._prepare_spare, name="journal-spare", daemon=True)
         self._spare_thread.start()
@@ -318,7 +323,8 @@ class JournaledStore:
 
     def _rotation_due(self) -> bool:
         journal = self.journal
-        return journal.size >= self.SEGMENT_BYTES or (not journal.prefilled and self._spare is not None)
+        return (journal.size >= self.SEGMENT_BYTES or journal.broken
+                or (not journal.prefilled and self._spare is not None))
 
     def recover(self) -> int:
         """Apply every journaled group the file does not hold yet; the number applied."""
@@ -328,7 +334,7 @@ class JournaledStore:
                 continue
             old = Journal(path)
             for seq, tables in old.groups():
-                if seq <= self.applied_seq:
+                if seq <= self.seq:  # in the file already, or met in an earlier segment
                     continue
                 self._merge(tables)
                 self.seq = seq
