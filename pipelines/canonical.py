@@ -31,16 +31,23 @@ _VARIANT = {c: "89ab"[int(c, 16) & 0x3] for c in "0123456789abcdef"}
 _encode_sorted = msgspec.json.Encoder(order="sorted").encode
 
 
-_EXACT_INT_FLOAT = 2.0**53
+# JCS (RFC 8785) writes a number below 1e21 without an exponent: an integral float below it
+# is written as the integer it is, so `1e16` and `10000000000000000` are the same fact.
+_INTEGRAL_BELOW = 1e21
 
 
 def float_hook(text: str) -> int | float:
-    """Decode a JSON float; an integral one within 2^53 becomes an int (``1.0`` -> ``1``).
+    """Decode a JSON float; an integral one below 1e21 becomes an int (``1.0`` -> ``1``,
+    ``1e16`` -> ``10000000000000000``). A number beyond the float range (``1e400``) is
+    refused: no finite value stands for it, and writing it as null would make it another
+    fact's twin.
 
     Given to the request decoders, so canonicalization needs no second walk over the payload.
     """
     value = float(text)
-    if value.is_integer() and abs(value) < _EXACT_INT_FLOAT:
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is beyond the range of a double")
+    if value.is_integer() and abs(value) < _INTEGRAL_BELOW:
         return int(value)
     return value
 

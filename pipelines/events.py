@@ -97,9 +97,12 @@ def _parse_instant(text: str) -> datetime | None:
         return None
     try:
         moment = msgspec.convert(text, datetime)
-    except msgspec.ValidationError:
+        if moment.tzinfo is None:
+            return None
+        moment.astimezone(timezone.utc)  # e.g. 0001-01-01T00:00:00+01:00 has no UTC instant
+    except (msgspec.ValidationError, OverflowError):
         return None
-    return moment if moment.tzinfo is not None else None
+    return moment
 
 
 def _check_labels(raw: Any, errors: list[FieldError], field: str) -> dict[str, LabelValue]:
@@ -165,7 +168,7 @@ def validate_event(
     kind = item.semantic_kind
     if kind is None:
         errors.append(FieldError(prefix + "semantic_kind", "VALIDATION.REQUIRED", "semantic_kind is required"))
-    elif kind not in SEMANTIC_KINDS:
+    elif not isinstance(kind, str) or kind not in SEMANTIC_KINDS:
         errors.append(
             FieldError(prefix + "semantic_kind", "VALIDATION.INVALID_VALUE",
                        "semantic_kind must be 'activity' or 'outcome'")

@@ -99,3 +99,17 @@ def test_canonical_json_is_stable_under_reencoding(payload: dict) -> None:
     assert canonical_json(msgspec.json.decode(once)) == once
     assert request_hash("a", "activity", "t", "x", None, payload) == request_hash(
         "a", "activity", "t", "x", None, msgspec.json.decode(once))
+
+
+def test_integral_numbers_are_ints_below_1e21_and_numbers_beyond_a_double_are_refused() -> None:
+    import msgspec
+    import pytest
+
+    from pipelines.canonical import float_hook
+
+    decode = msgspec.json.Decoder(float_hook=float_hook).decode
+    assert decode(b"[1e16, 1.0, 2.5, 1e21]") == [10_000_000_000_000_000, 1, 2.5, 1e21]
+    assert canonical_json(decode(b'{"q": 1e16}'), floats_normalized=True) == b'{"q":10000000000000000}'
+    for text in (b'{"q": 1e400}', b'{"q": -1e400}'):
+        with pytest.raises(msgspec.ValidationError):
+            decode(text)

@@ -122,3 +122,25 @@ def test_label_values_are_typed_into_exactly_one_slot(tmp_path) -> None:
         filled = {name: v for name, v in zip(slots, values, strict=False) if v is not None}
         expected = uuid.UUID(value) if column == "value_uuid" else value
         assert filled == {column: expected}, key
+
+
+def test_a_single_event_is_handed_to_the_inline_rater_only_once_its_group_is_durable(tmp_path) -> None:
+    from api.events.ingest import IngestHandler, IngestOp, to_record
+    from warehouse.operational import open_operational
+    from warehouse.outbox import EventOutbox
+    from warehouse.writer import Transaction
+
+    ok = check(GOOD)
+    assert isinstance(ok, ValidEvent)
+    conn = open_operational(tmp_path / "op.duckdb")
+    handler = IngestHandler(EventOutbox(conn))
+    tx = Transaction(conn, NOW)
+    outcome = handler.apply(tx, IngestOp("acme", "single", [to_record(ok)]))
+    tx.flush()
+    assert outcome()[0].accepted
+    assert handler.accepted_singles == []          # decided, not durable: a rollback rates nothing
+    conn.execute("BEGIN")
+    tx.commit()
+    conn.execute("COMMIT")
+    assert [event.event_id for _, event in handler.accepted_singles] == [to_record(ok).event_id]
+    conn.close()

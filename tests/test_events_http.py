@@ -107,8 +107,8 @@ def test_batch_reports_accepted_duplicate_invalid_and_in_batch_repeat(service: S
                                                        "invalid", "invalid"]
     assert data["results"][3]["event_id"] == data["results"][0]["event_id"]
     assert data["results"][2]["error"]["code"] == "VALIDATION.INVALID_VALUE"
-    assert data["results"][2]["error"]["field"] == "semantic_kind"
-    assert data["results"][5]["error"]["field"] == "occurred_at"
+    assert data["results"][2]["error"]["field"] == "events[2].semantic_kind"  # a path in the request
+    assert data["results"][5]["error"]["field"] == "events[5].occurred_at"
     assert (data["accepted_count"], data["duplicate_count"], data["invalid_count"], data["failed_count"]) == (1, 2, 3, 3)
 
 
@@ -195,3 +195,49 @@ def test_healthz_and_openapi_need_no_auth(service: Service) -> None:
     assert service.client.get(service.base_url + "/healthz").json()["data"]["status"] == "ready"
     schema = service.client.get(service.base_url + "/schema/openapi.json").json()
     assert "/mgt/v1/events" in schema["paths"]
+
+
+def test_hostile_inputs_get_clear_errors_and_never_cost_the_batch_its_valid_items(service: Service) -> None:
+    def single(body: Any) -> httpx.Response:
+        return service.post("/mgt/v1/events", body, account="acct_events")
+
+    deep = "[" * 1000 + "]" * 1000
+    cases = [
+        (event(semantic_kind=["activity"]), 422, "VALIDATION.INVALID_INPUT"),     # unhashable kind
+        (event(occurred_at="0001-01-01T00:00:00+01:00"), 422, "VALIDATION.INVALID_INPUT"),  # no UTC instant
+    ]
+    for body, status, code in cases:
+        r = single(body)
+        assert (r.status_code, r.json()["code"]) == (status, code), r.text
+    raw_cases = [
+        json.dumps(event()).replace('{"input_tokens": 1200', '{"input_tokens": 1e400'),   # beyond a double
+        json.dumps(event(payload={})).replace('"payload": {}', f'"payload": {deep}'),      # nested too deeply
+    ]
+    for raw in raw_cases:
+        r = service.request("POST", "/mgt/v1/events", raw=raw.encode(), account="acct_events")
+        assert (r.status_code, r.json()["code"]) == (400, "VALIDATION.MALFORMED_JSON"), r.text
+
+    def batch(items: list[str]) -> httpx.Response:
+        return service.request("POST", "/mgt/v1/events/batch", raw=('{"events": [' + ", ".join(items) + "]}").encode(),
+                               account="acct_events")
+
+    good = event()
+    r = batch([json.dumps(good), json.dumps(event(semantic_kind={"a": 1})),
+               json.dumps(event()).replace('{"input_tokens": 1200', '{"input_tokens": 1e400')])
+    assert r.status_code == 207, r.text
+    results = r.json()["data"]["results"]
+    assert [x["status"] for x in results] == ["accepted", "invalid", "invalid"]
+    assert results[1]["error"]["field"] == "events[1].semantic_kind"
+    assert single(good).status_code == 200   # item 0 was stored
+    # A body nested beyond what the decoder follows is refused whole, with nothing written.
+    r = batch([json.dumps(event()), json.dumps(event(payload={})).replace('"payload": {}', f'"payload": {deep}')])
+    assert (r.status_code, r.json()["code"]) == (400, "VALIDATION.MALFORMED_JSON")
+
+
+def test_an_integral_number_is_one_fact_whatever_its_spelling(service: Service) -> None:
+    body = event(payload={"bytes": 10000000000000000})
+    first = service.post("/mgt/v1/events", body, account="acct_events")
+    raw = json.dumps(body).replace("10000000000000000", "1e16")
+    again = service.request("POST", "/mgt/v1/events", raw=raw.encode(), account="acct_events")
+    assert first.status_code == 201 and again.status_code == 200, again.text
+    assert again.json()["data"]["event_id"] == first.json()["data"]["event_id"]

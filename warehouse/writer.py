@@ -56,7 +56,7 @@ class Transaction:
     """What the ops of one group share: the store, the group's clock reading, staged rows,
     and flush steps that run once after every op has applied."""
 
-    __slots__ = ("store", "now", "rows", "_flushers", "scratch")
+    __slots__ = ("store", "now", "rows", "_flushers", "scratch", "_committed")
 
     def __init__(self, store: JournaledStore | DirectStore | duckdb.DuckDBPyConnection,
                  now: datetime) -> None:
@@ -65,6 +65,7 @@ class Transaction:
         self.rows: dict[str, list[tuple[Any, ...]]] = {}
         self._flushers: dict[str, Callable[[Transaction], None]] = {}
         self.scratch: dict[str, Any] = {}
+        self._committed: list[Callable[[], None]] = []
 
     def stage(self, table: str, row: tuple[Any, ...]) -> None:
         self.rows.setdefault(table, []).append(row)
@@ -80,9 +81,17 @@ class Transaction:
         for flusher in self._flushers.values():
             flusher(self)
 
+    def after_commit(self, step: Callable[[], None]) -> None:
+        """Run `step` once the group is durable; never when it is rolled back."""
+        self._committed.append(step)
+
     def commit(self) -> None:
-        """Make the staged rows durable (the journal), or write them (a direct store)."""
+        """Make the staged rows durable (the journal), or write them (a direct store), then
+        run the steps that wait for that."""
         self.store.commit(self.rows)
+        steps, self._committed = self._committed, []
+        for step in steps:
+            step()
 
 
 class Handler(Protocol):

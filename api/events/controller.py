@@ -36,8 +36,14 @@ def _errors(found: list[FieldError]) -> list[dict[str, Any]]:
     return [msgspec.structs.asdict(e) for e in found]
 
 
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return str(exc)
+
+
 def _malformed(exc: Exception) -> BadRequest:
-    return BadRequest("VALIDATION.MALFORMED_JSON", f"body is not a JSON object: {exc}")
+    return BadRequest("VALIDATION.MALFORMED_JSON", f"body is not a JSON object: {_reason(exc)}")
 
 
 async def _event_call(request: Any) -> tuple[Runtime, bytes, Realm, str]:
@@ -67,7 +73,7 @@ async def record_event(request: Any) -> Reply:
     runtime, body, realm, account = await _event_call(request)
     try:
         item = decode_event(body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
         raise _malformed(exc) from None
     result = validate_event(item, realm=realm.id, billing_account_id=account, now=utcnow(),
                             max_future_skew_seconds=realm.settings.max_future_skew_seconds,
@@ -82,7 +88,7 @@ async def record_event_batch(request: Any) -> Reply:
     runtime, body, realm, account = await _event_call(request)
     try:
         batch = _decode_batch(body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
         if isinstance(exc, msgspec.ValidationError) and "$.events" in str(exc):
             raise Unprocessable("VALIDATION.INVALID_INPUT", "events must be an array of event objects",
                                 errors=[{"field": "events", "code": "VALIDATION.INVALID_TYPE",
@@ -104,13 +110,15 @@ async def record_event_batch(request: Any) -> Reply:
     for index, raw in enumerate(items):
         try:
             item = decode_event(raw)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
             results[index] = {"index": index, "status": "invalid", "error": {
-                "code": "VALIDATION.INVALID_TYPE", "message": "an event must be a JSON object",
+                "code": "VALIDATION.INVALID_TYPE",
+                "message": f"an event must be a JSON object of the event's fields ({_reason(exc)})",
                 "field": f"events[{index}]"}}
             continue
         found = validate_event(item, realm=realm.id, billing_account_id=account, now=now,
-                               max_future_skew_seconds=skew, floats_normalized=True)
+                               max_future_skew_seconds=skew, floats_normalized=True,
+                               prefix=f"events[{index}].")
         if isinstance(found, ValidEvent):
             valid.append((index, found))
         else:

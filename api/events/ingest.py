@@ -53,13 +53,17 @@ class IngestHandler:
             stored: dict[str, Stored] = tx.scratch["outbox_result"]
             first: dict[str, EventRecord] = tx.scratch["outbox_first"]
             out = []
+            singles: list[tuple[str, EventRecord]] = []
             for event in op.events:
                 identity = stored[event.event_id]
                 if identity.accepted and first[event.event_id] is not event:
                     identity = Stored(False, identity.created_at_us, identity.labels_json)
                 elif identity.accepted and op.path == "single":
-                    self.accepted_singles.append((op.realm, event))
+                    singles.append((op.realm, event))
                 out.append(identity)
+            if singles:
+                # Rated inline only once durable: a group rolled back leaves nothing to rate.
+                tx.after_commit(lambda: self.accepted_singles.extend(singles))
             return out
 
         return outcome
