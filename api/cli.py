@@ -82,7 +82,11 @@ def _bootstrap(settings: Settings) -> None:
     store = CatalogStore(settings.catalog_dir)
     if store.read() is None:
         ok, message = apply_catalog(settings, _demo_catalog())
-        print(f"tollgate: no catalog yet, applied the demo catalog: {message}")
+        if ok:
+            print(f"tollgate: no catalog yet, applied the demo catalog: {message}")
+        else:
+            print(f"tollgate: no catalog yet, and the demo catalog could not be applied:\n{message}",
+                  file=sys.stderr)
     keys = ServiceKeyStore(settings.keys_path)
     if not keys.load():
         key = keys.create("acme")
