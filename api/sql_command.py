@@ -78,7 +78,33 @@ def _open_lake(data_dir: Path) -> Any:
     conn = duckdb.connect()
     attach_lake(conn, data_dir, read_only=True)
     conn.execute("USE lake")
+    for step in _sandbox(data_dir):
+        conn.execute(step)
     return conn
+
+
+def _sandbox(data_dir: Path) -> list[str]:
+    """What keeps an analyst's session read-only beyond the read-only attach: no other
+    database may be attached (a writable attach of the same lake) and no file written (COPY
+    TO could replace the service's keys); only the lake's own data folder can be read.
+    `lock_configuration` keeps a query from turning this off again."""
+    from warehouse.lake import lake_paths
+
+    _, data = lake_paths(data_dir.resolve())
+    return [f"SET allowed_directories = ['{data}/']",
+            "SET enable_external_access = false",
+            "SET lock_configuration = true"]
+
+
+def _refused_statements() -> frozenset[Any]:
+    """Statements that could write: another database attached (even the lake, writable),
+    files written, extensions loaded."""
+    import duckdb
+
+    kinds = duckdb.StatementType
+    return frozenset({kinds.ATTACH, kinds.DETACH, kinds.COPY, kinds.EXPORT, kinds.LOAD,
+                      kinds.COPY_DATABASE})
+
 
 
 def _run(conn: Any, query: str, fmt: str, out: IO[str]) -> bool:
@@ -92,6 +118,12 @@ def _run(conn: Any, query: str, fmt: str, out: IO[str]) -> bool:
         return cursor.description, (cursor.fetchall() if cursor.description else [])
 
     try:
+        kinds = _refused_statements()
+        refused = [st.type.name for st in conn.extract_statements(query) if st.type in kinds]
+        if refused:
+            print(f"tollgate sql: the lake is read-only here; {', '.join(refused)} is refused",
+                  file=sys.stderr)
+            return False
         # Nothing here writes, so a query that met the service's commit (`database is
         # locked` on the lake's SQLite catalog) is simply run again.
         description, rows = with_lake_retry(step)
@@ -199,6 +231,7 @@ def _repl(conn: Any, fmt: str) -> int:
         print("tollgate sql: the lake is attached read-only as `lake` (USE lake). "
               "End statements with ';', leave with .quit", file=sys.stderr)
     buffer: list[str] = []
+    failed = False
     while True:
         try:
             line = input(("lake> " if not buffer else "  ...> ") if interactive else "")
@@ -215,12 +248,14 @@ def _repl(conn: Any, fmt: str) -> int:
         if statement.endswith(";"):
             buffer.clear()
             if statement.strip("; \n"):
-                _run(conn, statement, fmt, sys.stdout)
+                failed |= not _run(conn, statement, fmt, sys.stdout)
                 sys.stdout.flush()
     rest = "\n".join(buffer).strip()
     if rest:
-        _run(conn, rest, fmt, sys.stdout)
-    return 0
+        failed |= not _run(conn, rest, fmt, sys.stdout)
+    # Read from a pipe (a script), any failed statement fails the command; typed at a
+    # terminal, the session goes on after an error and ends well.
+    return 1 if failed and not interactive else 0
 
 
 def _duckdb_shell() -> str | None:
@@ -259,5 +294,5 @@ def _run_shell(shell: str, data_dir: Path) -> int:
         steps += [f"INSTALL '{wheel}'", f"LOAD {name}"]
     steps += ["SET TimeZone = 'UTC'",
               f"ATTACH 'ducklake:sqlite:{catalog}' AS lake (READ_ONLY)",
-              "USE lake"]
+              "USE lake", *_sandbox(data_dir)]
     return subprocess.call([shell, "-cmd", "; ".join(steps) + ";"])

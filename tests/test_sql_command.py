@@ -291,12 +291,14 @@ def test_json_is_an_array_of_objects_with_integers_and_iso_times(lake_dir: Path)
         {"total": (150 + 600 + 300 + 0 + 150 + 600) + (800 + 600) + BATCH + (6000 + 750 + 600)}]
 
 
-def raw_sql(data_dir: Path, *args: str, stdin: str = "") -> tuple[str, str]:
+def raw_sql(data_dir: Path, *args: str, stdin: str = "", code: int = 0) -> tuple[str, str]:
     """(stdout, stderr) exactly as written (no newline translation), with no `duckdb` shell
-    on PATH so that the built-in loop answers when no query is given."""
+    on PATH so that the built-in loop answers when no query is given; `code` the exit code
+    expected."""
     env = {**os.environ, "PATH": str(Path(sys.executable).parent)}
     result = subprocess.run([sys.executable, "-m", "api.cli", "sql", *args, "--data-dir", str(data_dir)],
-                            input=stdin.encode(), capture_output=True, env=env, check=True)
+                            input=stdin.encode(), capture_output=True, env=env, check=False)
+    assert result.returncode == code, result.stderr
     return result.stdout.decode(), result.stderr.decode()
 
 
@@ -336,6 +338,21 @@ def test_a_write_statement_fails_with_exit_code_1(lake_dir: Path, statement: str
     assert sql(lake_dir, "SELECT count(*) AS n FROM ratings", "json").stdout.count('"n":') == 1
 
 
+@pytest.mark.parametrize("statement", [
+    "COPY (SELECT 1 AS x) TO '{home}/keys.json'",                         # a file written
+    "USE memory; DETACH lake; ATTACH 'ducklake:sqlite:{home}/lake/catalog.sqlite' AS w",  # writable
+    "SET enable_external_access = true",                                   # the guard turned off
+    "SELECT * FROM read_text('{home}/keys.json')",                         # outside the lake's data
+])
+def test_the_session_cannot_write_files_attach_or_unlock_itself(lake_dir: Path, statement: str) -> None:
+    keys = lake_dir / "keys.json"
+    keys.write_text('{"keys": []}')
+    result = sql(lake_dir, statement.format(home=lake_dir.resolve()), "table", check=False)
+    assert result.returncode == 1 and result.stderr.startswith("tollgate sql: ")
+    assert keys.read_text() == '{"keys": []}'
+    assert sql(lake_dir, "SELECT count(*) AS n FROM ratings", "json").stdout.count('"n":') == 1
+
+
 def test_a_bad_query_fails_clearly(lake_dir: Path, tmp_path: Path) -> None:
     result = sql(lake_dir, "SELECT nope FROM events", "json", check=False)
     assert result.returncode == 1 and result.stdout == ""
@@ -346,9 +363,10 @@ def test_a_bad_query_fails_clearly(lake_dir: Path, tmp_path: Path) -> None:
 
 def test_without_a_query_statements_are_read_from_stdin(lake_dir: Path) -> None:
     out, err = raw_sql(lake_dir, "--format", "csv", stdin="SELECT count(*) AS n\nFROM events;\n"
-                       "INSERT INTO events (realm) VALUES ('x');\nSELECT 'x' AS y;\n")
-    assert out == "n\r\n8\r\ny\r\nx\r\n"
+                       "INSERT INTO events (realm) VALUES ('x');\nSELECT 'x' AS y;\n", code=1)
+    assert out == "n\r\n8\r\ny\r\nx\r\n"  # the script runs on; a failed statement fails it
     assert "read-only" in err
+    assert raw_sql(lake_dir, "--format", "csv", stdin="SELECT 1 AS one;\n")[0] == "one\r\n1\r\n"
 
 
 # ---- the analysts' guide --------------------------------------------------------------
@@ -502,5 +520,6 @@ printf '%s\\n' "$@" > {tmp_path / "args"}
                    env=env, check=True, capture_output=True)
     flag, init = (tmp_path / "args").read_text().splitlines()[:2]
     assert flag == "-cmd"
-    assert "LOAD ducklake" in init and init.endswith("USE lake;")
+    assert "LOAD ducklake" in init and "USE lake;" in init
+    assert init.endswith("SET enable_external_access = false; SET lock_configuration = true;")
     assert f"ATTACH 'ducklake:sqlite:{lake_dir / 'lake' / 'catalog.sqlite'}' AS lake (READ_ONLY)" in init
