@@ -106,3 +106,36 @@ def test_disabled_key_is_403_within_two_seconds_and_enable_restores(service: Ser
 def test_keys_file_is_readable_only_by_its_owner(service: Service) -> None:
     mode = (service.data_dir / "keys.json").stat().st_mode & 0o777
     assert mode == 0o600
+
+
+def test_key_changes_made_at_the_same_time_are_all_kept(tmp_path) -> None:
+    from concurrent.futures import ProcessPoolExecutor
+
+    from warehouse.keys import ServiceKeyStore
+
+    store = ServiceKeyStore(tmp_path / "keys.json")
+    first = store.create("acme")
+    with ProcessPoolExecutor(4) as pool:
+        made = list(pool.map(_create_key, [str(tmp_path / "keys.json")] * 12))
+        disabled = pool.submit(_disable_key, str(tmp_path / "keys.json"), first.key_id)
+        made += list(pool.map(_create_key, [str(tmp_path / "keys.json")] * 4))
+        disabled.result()
+    keys = store.load()
+    assert set(made) <= set(keys) and len(keys) == 17
+    assert keys[first.key_id].disabled
+
+
+def _create_key(path: str) -> str:
+    from pathlib import Path
+
+    from warehouse.keys import ServiceKeyStore
+
+    return ServiceKeyStore(Path(path)).create("acme").key_id
+
+
+def _disable_key(path: str, key_id: str) -> None:
+    from pathlib import Path
+
+    from warehouse.keys import ServiceKeyStore
+
+    ServiceKeyStore(Path(path)).set_disabled(key_id)

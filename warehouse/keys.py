@@ -8,8 +8,11 @@ file. Keys never go to the lake.
 from __future__ import annotations
 
 import base64
+import contextlib
+import fcntl
 import os
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -81,8 +84,26 @@ class ServiceKeyStore:
         os.chmod(tmp, 0o600)
         os.replace(tmp, self.path)
 
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[dict[str, ServiceKey]]:
+        """The keys, read and written back under an exclusive lock on a file beside them, so
+        two commands at once never lose a change (a disable undone by a create's write)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path.with_name(f".{self.path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            keys = self.load()
+            yield keys
+            self._save(keys)
+        finally:
+            os.close(fd)  # releases the lock
+
     def create(self, realm: str) -> ServiceKey:
-        keys = self.load()
+        with self._changing() as keys:
+            return self._add(keys, realm)
+
+    @staticmethod
+    def _add(keys: dict[str, ServiceKey], realm: str) -> ServiceKey:
         key = ServiceKey(
             key_id="tgk_" + secrets.token_hex(12),
             realm=realm,
@@ -91,14 +112,12 @@ class ServiceKeyStore:
             created_at=datetime.now(timezone.utc).isoformat(),
         )
         keys[key.key_id] = key
-        self._save(keys)
         return key
 
     def set_disabled(self, key_id: str, disabled: bool = True) -> ServiceKey:
-        keys = self.load()
-        if key_id not in keys:
-            raise KeyNotFound(key_id)
-        old = keys[key_id]
-        keys[key_id] = ServiceKey(old.key_id, old.realm, old.secret, disabled, old.created_at)
-        self._save(keys)
-        return keys[key_id]
+        with self._changing() as keys:
+            if key_id not in keys:
+                raise KeyNotFound(key_id)
+            old = keys[key_id]
+            keys[key_id] = ServiceKey(old.key_id, old.realm, old.secret, disabled, old.created_at)
+            return keys[key_id]
