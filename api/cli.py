@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import urllib.error
 import urllib.request
@@ -107,6 +108,23 @@ def _banner(settings: Settings) -> None:
 """, flush=True)
 
 
+def _held_by_another_process(path: Path) -> str | None:
+    """Who holds the operational file's lock, if another process does (DuckDB allows one
+    writing process); None when it is free or does not exist yet."""
+    if not path.exists():
+        return None
+    import duckdb
+
+    try:
+        duckdb.connect(str(path)).close()
+    except duckdb.IOException as exc:
+        found = re.search(r"PID \d+", str(exc))
+        if "lock" in str(exc):
+            return found.group(0) if found else "its lock is held"
+        raise
+    return None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -114,6 +132,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    held = _held_by_another_process(settings.data_dir / "operational.duckdb")
+    if held:
+        print(f"tollgate: the data folder {settings.data_dir} is in use by another process ({held});"
+              " one service per data folder", file=sys.stderr)
+        return 2
     _bootstrap(settings)
     app = create_app(settings)
     _banner(settings)
@@ -151,7 +174,11 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def cmd_catalog(args: argparse.Namespace) -> int:
-    text = Path(args.file).read_text(encoding="utf-8")
+    try:
+        text = Path(args.file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"tollgate: cannot read the catalog {args.file}: {exc}", file=sys.stderr)
+        return 2
     if args.catalog_cmd == "check":
         try:
             catalog = load_catalog(text)
@@ -190,6 +217,11 @@ def cmd_call(args: argparse.Namespace) -> int:
             status, text = response.status, response.read().decode()
     except urllib.error.HTTPError as exc:
         status, text = exc.code, exc.read().decode()
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        print(f"tollgate: cannot reach http://{settings.host}:{settings.port} ({reason});"
+              " is `tollgate serve` running there?", file=sys.stderr)
+        return 2
     print(f"HTTP {status}")
     try:
         print(json.dumps(json.loads(text), indent=2))

@@ -14,6 +14,7 @@ completed, 1 when it failed; its result is printed as JSON.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 from typing import Any
@@ -30,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("flows", help="run the Prefect flows (rating, reports, compaction)",
                        description="Run a Prefect flow once, now.")
     flows_sub = p.add_subparsers(dest="flows_cmd", required=True)
-    flows_sub.add_parser("list", help="list the flows")
+    listing = flows_sub.add_parser("list", help="list the flows")
+    listing.add_argument("--data-dir", help="data folder (TOLLGATE_DATA_DIR; default ./var); not read")
     run = flows_sub.add_parser("run", help="run one flow now")
     run.add_argument("name", choices=FLOWS)
     run.add_argument("--param", action="append", default=[], metavar="K=V",
@@ -65,8 +67,22 @@ def cmd_flows(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"tollgate: {exc}", file=sys.stderr)
         return 2
-    params["data_dir"] = str(Settings.from_env(args.data_dir).data_dir)
-    state = flow_named(args.name)(**params, return_state=True)
+    flow = flow_named(args.name)
+    accepted = [name for name in inspect.signature(flow.fn).parameters if name != "data_dir"]
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        print(f"tollgate: {args.name} has no parameter {', '.join(unknown)}"
+              f" (its parameters: {', '.join(accepted) or 'none'}; the data folder is --data-dir)",
+              file=sys.stderr)
+        return 2
+    data_dir = Settings.from_env(args.data_dir).data_dir
+    if not (data_dir / "lake" / "catalog.sqlite").exists():
+        # A mistyped folder would otherwise get a new, empty lake and a run that found nothing.
+        print(f"tollgate: no lake at {data_dir / 'lake'} (is --data-dir right? the service"
+              " creates the lake at its first start)", file=sys.stderr)
+        return 2
+    params["data_dir"] = str(data_dir)
+    state = flow(**params, return_state=True)
     if not state.is_completed():
         print(f"tollgate: flow {args.name} ended {state.name}: {state.message}", file=sys.stderr)
         return 1

@@ -80,11 +80,13 @@ class Runtime:
             await asyncio.to_thread(self._scheduler.stop)
         for task in self._tasks:
             task.cancel()
-        await self.writer.close()
-        try:
-            await asyncio.to_thread(self._writer_proc.wait, 30)
-        except subprocess.TimeoutExpired:
-            self._writer_proc.kill()
+        if hasattr(self, "writer"):
+            await self.writer.close()
+        if hasattr(self, "_writer_proc"):
+            try:
+                await asyncio.to_thread(self._writer_proc.wait, 30)
+            except subprocess.TimeoutExpired:
+                self._writer_proc.kill()
 
     async def write(self, op: Any) -> Any:
         """Send one op to the writer process; its failure arrives as the matching AppError."""
@@ -145,7 +147,8 @@ def _read_hello(sock: socket.socket, proc: subprocess.Popen[bytes]) -> dict[str,
     try:
         head = sock.recv(4, socket.MSG_WAITALL)
         if len(head) < 4:
-            raise RuntimeError(f"the writer process exited during start (code {proc.poll()})")
+            raise RuntimeError("the writer process could not open the data folder (its error is above;"
+                               " is another `tollgate serve` using this data folder?)")
         body = sock.recv(int.from_bytes(head, "big"), socket.MSG_WAITALL)
     finally:
         sock.settimeout(None)

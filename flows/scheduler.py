@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     _end_with_parent(args.parent_pid)
     signal.signal(signal.SIGTERM, _exit)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
+    for chatty in ("httpx", "httpcore"):  # a line per request to Prefect's API, every minute
+        logging.getLogger(chatty).setLevel(logging.WARNING)
     run_schedule(Path(args.data_dir).resolve())
     return 0
 
