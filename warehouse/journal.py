@@ -72,9 +72,9 @@ class Journal:
     groups then overwrite those zeros in place. Measured here under `bench/gate.py`, a sync
     after appending to a file cost 0.41 ms at the median and 0.74 ms on average: an append
     changes the file's size, so `fdatasync` must also commit the file system's own journal.
-    An overwrite of blocks already written syncs only the data (0.12 against 0.19 ms idle,
-    0.16 against 0.28 ms with the cores busy), and the gate loop ran 2,640-3,261 pairs/s
-    against 2,080-2,745 in eight alternating runs, seven of them faster."""
+    An overwrite of blocks already written syncs only the data (0.12-0.18 against
+    0.19-0.29 ms, idle and with the cores busy), and the gate loop was faster in 6 of 7
+    alternating runs, by 4-23 %."""
 
     def __init__(self, path: Path, *, prefill: int = 0) -> None:
         self.path = path
