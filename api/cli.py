@@ -132,7 +132,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    held = _held_by_another_process(settings.data_dir / "operational.duckdb")
+    held = _held_by_another_process(settings.operational_path)
     if held:
         print(f"tollgate: the data folder {settings.data_dir} is in use by another process ({held});"
               " one service per data folder", file=sys.stderr)

@@ -75,13 +75,16 @@ def cmd_flows(args: argparse.Namespace) -> int:
               f" (its parameters: {', '.join(accepted) or 'none'}; the data folder is --data-dir)",
               file=sys.stderr)
         return 2
-    data_dir = Settings.from_env(args.data_dir).data_dir
-    if not (data_dir / "lake" / "catalog.sqlite").exists():
+    from warehouse.lake import lake_paths
+
+    settings = Settings.from_env(args.data_dir)
+    catalog, _ = lake_paths(settings.data_dir)
+    if not catalog.exists():
         # A mistyped folder would otherwise get a new, empty lake and a run that found nothing.
-        print(f"tollgate: no lake at {data_dir / 'lake'} (is --data-dir right? the service"
+        print(f"tollgate: no lake at {settings.lake_dir} (is --data-dir right? the service"
               " creates the lake at its first start)", file=sys.stderr)
         return 2
-    params["data_dir"] = str(data_dir)
+    params["data_dir"] = str(settings.data_dir)
     state = flow(**params, return_state=True)
     if not state.is_completed():
         print(f"tollgate: flow {args.name} ended {state.name}: {state.message}", file=sys.stderr)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import bisect
+import functools
 import hashlib
 import heapq
 import os
@@ -182,20 +183,13 @@ class PriceIndex:
         return found[1][i - 1] if i else None
 
 
-_FINGERPRINTS: dict[PriceRow, str] = {}
-
-
+@functools.lru_cache(maxsize=4096)
 def _fingerprint(row: PriceRow) -> str:
     """The row's id and terms, hashed: what a commit line reports, and the key its carried
     remainder is kept under, so a row whose terms change in a re-applied catalog starts its
     carry afresh instead of carrying a remainder measured in other blocks."""
-    found = _FINGERPRINTS.get(row)
-    if found is None:
-        if len(_FINGERPRINTS) > 4096:
-            _FINGERPRINTS.clear()
-        text = f"{row.price_id}|{row.unit_price_xusd}|{row.unit_quantity_minor}|{row.rounding}"
-        found = _FINGERPRINTS[row] = hashlib.sha256(text.encode()).hexdigest()[:16]
-    return found
+    text = f"{row.price_id}|{row.unit_price_xusd}|{row.unit_quantity_minor}|{row.rounding}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _error(status: int, code: str, message: str, **extra: Any) -> GateOutcome:
