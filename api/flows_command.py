@@ -55,7 +55,7 @@ def parse_params(pairs: list[str]) -> dict[str, Any]:
 
 
 def cmd_flows(args: argparse.Namespace) -> int:
-    from flows import FLOWS, flow_named
+    from flows import FLOWS, check_params, flow_named
 
     if args.flows_cmd == "list":
         for name in FLOWS:
@@ -68,11 +68,18 @@ def cmd_flows(args: argparse.Namespace) -> int:
         print(f"tollgate: {exc}", file=sys.stderr)
         return 2
     flow = flow_named(args.name)
-    accepted = [name for name in inspect.signature(flow.fn).parameters if name != "data_dir"]
+    signature = inspect.signature(flow.fn).parameters
+    accepted = [name for name in signature if name != "data_dir"]
     unknown = sorted(set(params) - set(accepted))
     if unknown:
         print(f"tollgate: {args.name} has no parameter {', '.join(unknown)}"
               f" (its parameters: {', '.join(accepted) or 'none'}; the data folder is --data-dir)",
+              file=sys.stderr)
+        return 2
+    missing = [name for name in accepted
+               if signature[name].default is inspect.Parameter.empty and name not in params]
+    if missing:
+        print(f"tollgate: {args.name} needs {' '.join(f'--param {m}=...' for m in missing)}",
               file=sys.stderr)
         return 2
     from warehouse.lake import lake_paths
@@ -83,6 +90,11 @@ def cmd_flows(args: argparse.Namespace) -> int:
         # A mistyped folder would otherwise get a new, empty lake and a run that found nothing.
         print(f"tollgate: no lake at {settings.lake_dir} (is --data-dir right? the service"
               " creates the lake at its first start)", file=sys.stderr)
+        return 2
+    try:
+        check_params(args.name, settings.data_dir, params)
+    except ValueError as exc:
+        print(f"tollgate: {args.name}: {exc}", file=sys.stderr)
         return 2
     params["data_dir"] = str(settings.data_dir)
     state = flow(**params, return_state=True)

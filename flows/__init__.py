@@ -11,9 +11,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-__all__ = ["FLOWS", "flow_named"]
+__all__ = ["FLOWS", "check_params", "flow_named"]
 
 FLOWS: tuple[str, ...] = ("rate-events", "rerate", "close-aggregate-days",
                           "publish-usage-reports", "compact-lake")
@@ -37,3 +38,11 @@ def flow_named(name: str) -> Any:
         from flows.compaction import compact_lake
         return compact_lake
     raise KeyError(f"no flow {name!r}; flows: {', '.join(FLOWS)}")
+
+
+def check_params(name: str, data_dir: Path, params: dict[str, Any]) -> None:
+    """Check a flow's parameters before a run is started (ValueError: the mistake, in one
+    line); flows without a check pass."""
+    if name == "rerate":
+        from flows.rating import check_rerate_params
+        check_rerate_params(data_dir, params)

@@ -4,9 +4,12 @@ catalog, and calls the pipeline under the rating lock."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
+import duckdb
 from prefect import flow, get_run_logger
 
 from flows.progress import RunProgress
@@ -19,13 +22,15 @@ from flows.workspace import (
     scratch_dir,
 )
 from pipelines.aggregate_days import close_aggregate_days as close_days
+from pipelines.catalog import Catalog
 from pipelines.rating_plan import RatingPlan
 from pipelines.rating_runs import RunSummary
 from pipelines.rerate import rerate as rerate_events
 from pipelines.sweep import CHUNK_EVENTS, sweep
-from warehouse.lake import with_lake_retry
+from warehouse.lake import connect_lake, with_lake_retry
 
-__all__ = ["close_aggregate_days", "rate_events", "rerate"]
+__all__ = ["check_rerate_params", "close_aggregate_days", "rate_events", "rerate",
+           "rerate_arguments"]
 
 # A run that meets a lake busy with another writer (the service's exporter) starts over: runs
 # land whole or not at all, so a retry can never rate an event twice.
@@ -65,21 +70,90 @@ def rerate(occurred_from: str, occurred_to: str, accounts: list[str] | None = No
     conn = open_lake(folder)
     try:
         catalog = applied_catalog(folder, conn)
+        # Checked before anything is shown or written: a mistake is one line, and no run.
+        start, end = rerate_arguments(conn, catalog, occurred_from, occurred_to, accounts,
+                                      policy_ids)
         plan = RatingPlan.from_catalog(catalog)
         progress = RunProgress(f"rerate {occurred_from} .. {occurred_to}", key="rerate-progress")
-        runs = rerate_events(conn, plan, rating_lock(folder),
-                             occurred_from=parse_instant(occurred_from),
-                             occurred_to=parse_instant(occurred_to), accounts=accounts,
-                             policy_ids=policy_ids, chunk_events=chunk_events, progress=progress)
+        # A retry re-rates the chunks an interrupted attempt had finished in a new run, which
+        # reverses theirs: current values stay one per event.
+        runs = with_lake_retry(lambda: rerate_events(
+            conn, plan, rating_lock(folder), occurred_from=start, occurred_to=end,
+            accounts=accounts, policy_ids=policy_ids, chunk_events=chunk_events,
+            progress=progress), attempts=_ATTEMPTS)
         progress.finish()
-        runs += with_lake_retry(lambda: close_days(
+        after = with_lake_retry(lambda: close_days(
             conn, plan, rating_lock(folder), lateness=_lateness(catalog),
             scratch=scratch_dir(folder)), attempts=_ATTEMPTS)
     finally:
         conn.close()
-    result = _report(runs)
-    get_run_logger().info("re-rated %d events and days in %d runs", result["events"], len(runs))
+    # `events` counts the re-rated events only: the sweep that close-aggregate-days runs
+    # first rates whatever was pending, which this backfill did not re-rate.
+    result = _report(runs + after)
+    result["events"] = sum(r.events for r in runs)
+    result["swept_events"] = sum(r.events for r in after if r.kind == "sweep")
+    result["aggregate_days"] = sum(r.events for r in after if r.kind == "aggregate")
+    get_run_logger().info("re-rated %d events in %d runs; then swept %d pending events and rated"
+                          " %d aggregate days", result["events"], len(runs),
+                          result["swept_events"], result["aggregate_days"])
     return result
+
+
+def _instant_param(name: str, text: object) -> datetime:
+    try:
+        return parse_instant(text)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={text!r} is not an RFC 3339 instant with an offset,"
+                         " e.g. 2026-11-01T00:00:00Z") from None
+
+
+def rerate_arguments(conn: duckdb.DuckDBPyConnection, catalog: Catalog, occurred_from: object,
+                     occurred_to: object, accounts: object,
+                     policy_ids: object) -> tuple[datetime, datetime]:
+    """The range of a rerate, after checking its parameters against the applied catalog and
+    the lake (`conn` has it attached as `lake`); ValueError naming the first mistake in one
+    line. An account or policy is known when the catalog has it, or, for one since removed,
+    when the lake has its events or a catalog once applied had the policy."""
+    start = _instant_param("occurred_from", occurred_from)
+    end = _instant_param("occurred_to", occurred_to)
+    if end <= start:
+        raise ValueError(f"occurred_to ({occurred_to}) must be after occurred_from ({occurred_from})")
+    for name, values in (("accounts", accounts), ("policy_ids", policy_ids)):
+        if values is not None and (not isinstance(values, list) or not values
+                                   or not all(isinstance(v, str) for v in values)):
+            raise ValueError(f"{name} must be a non-empty JSON list of ids, e.g."
+                             f" --param '{name}=[\"...\"]' (leave it out for all)")
+    if accounts:
+        known = {a for realm in catalog.realms.values() for a in realm.accounts}
+        missing = sorted(set(accounts) - known)  # type: ignore[arg-type]
+        if missing:
+            found = conn.execute("SELECT DISTINCT billing_account_id FROM lake.events"
+                                 " WHERE billing_account_id IN (SELECT unnest(?))", [missing]).fetchall()
+            missing = sorted(set(missing) - {a for (a,) in found})
+        if missing:
+            raise ValueError(f"accounts: no account {', '.join(missing)} in the catalog or the lake")
+    if policy_ids:
+        known = {p for realm in catalog.realms.values() for p in realm.policies}
+        known |= {p for (p,) in conn.execute(
+            "SELECT DISTINCT policy_id FROM lake.catalog_policy_versions").fetchall()}
+        missing = sorted(set(policy_ids) - known)  # type: ignore[arg-type]
+        if missing:
+            raise ValueError(f"policy_ids: no policy {', '.join(missing)} in any applied catalog")
+    return start, end
+
+
+def check_rerate_params(data_dir: Path, params: Mapping[str, Any]) -> None:
+    """`rerate_arguments` for `tollgate flows run rerate`, before a flow run is started."""
+    def check() -> None:
+        conn = connect_lake(data_dir, read_only=True)
+        try:
+            rerate_arguments(conn, applied_catalog(data_dir, conn), params.get("occurred_from"),
+                             params.get("occurred_to"), params.get("accounts"),
+                             params.get("policy_ids"))
+        finally:
+            conn.close()
+
+    with_lake_retry(check)
 
 
 @flow(name="close-aggregate-days")

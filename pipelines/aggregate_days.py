@@ -22,6 +22,7 @@ in its policy's document (lines of one intent naming one meter twice are added u
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from datetime import datetime, timezone
@@ -51,11 +52,14 @@ from pipelines.sweep import CHUNK_EVENTS, sweep_locked
 
 __all__ = ["close_aggregate_days"]
 
+log = logging.getLogger("tollgate.rating")
+
 _EVENTS = "_aggregate_events"
 _DAYS = "_aggregate_days"
 _LINES = "_aggregate_lines"
 _PREVIOUS = "_aggregate_previous"
 _LATENESS = "_aggregate_lateness"
+_VERSIONS = "_aggregate_versions"
 
 
 def close_aggregate_days(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, lock: RatingLock, *,
@@ -112,9 +116,31 @@ def _rate_days(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, lateness: Mapp
     conn.execute(
         f"DELETE FROM {_DAYS} AS d WHERE NOT d.has_deferred AND NOT EXISTS (SELECT 1 FROM"
         f" {_PREVIOUS} AS p WHERE p.realm = d.realm AND p.source_id = d.source_id)")
+    # A day with events deferred under a version the catalog no longer has cannot be rated
+    # whole: rating the rest would reverse its earlier lines and bill it short. It is left
+    # as it is (its events stay `deferred`, nothing is dropped) until the catalog has that
+    # version again or a rerate moves its events, and it is named here on every close.
+    conn.execute(f"CREATE OR REPLACE TEMP TABLE {_VERSIONS} (realm VARCHAR, policy_id VARCHAR,"
+                 " policy_version VARCHAR)")
+    conn.executemany(f"INSERT INTO {_VERSIONS} VALUES (?, ?, ?)",
+                     [(v.realm, v.policy_id, v.version) for v in versions])
+    waiting = conn.execute(
+        f"DELETE FROM {_DAYS} AS d WHERE EXISTS (SELECT 1 FROM {_EVENTS} AS e"
+        " WHERE e.status = 'deferred' AND e.realm = d.realm"
+        " AND e.billing_account_id = d.billing_account_id AND e.event_type = d.event_type"
+        f" AND e.usage_day = d.usage_day AND NOT EXISTS (SELECT 1 FROM {_VERSIONS} AS v"
+        " WHERE v.realm = e.realm AND v.policy_id = e.policy_id"
+        " AND v.policy_version = e.policy_version)) RETURNING d.source_id, d.realm").fetchall()
+    if waiting:
+        log.warning("%d closed aggregate days wait for a policy version the applied catalog no"
+                    " longer has, and stay unrated: %s", len(waiting),
+                    ", ".join(f"{realm}:{day}" for day, realm in sorted(waiting)[:10])
+                    + (" ..." if len(waiting) > 10 else ""))
     days = conn.execute(f"SELECT count(*) FROM {_DAYS}").fetchone()
     day_count = int(days[0]) if days else 0
     if not day_count:
+        for table in (_EVENTS, _DAYS, _PREVIOUS, _LATENESS, _VERSIONS):
+            conn.execute(f"DROP TABLE IF EXISTS {table}")
         return None
 
     lines = []
@@ -169,7 +195,7 @@ def _rate_days(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, lateness: Mapp
     summary = write_run(conn, run_id=run_id, kind="aggregate", started_at=started_at,
                         params={"closed_before": now.isoformat(), "days": day_count},
                         rows_sql=f"{reversals} UNION ALL {new_rows}", events=day_count)
-    for table in (_EVENTS, _DAYS, _LINES, _PREVIOUS, _LATENESS):
+    for table in (_EVENTS, _DAYS, _LINES, _PREVIOUS, _LATENESS, _VERSIONS):
         conn.execute(f"DROP TABLE IF EXISTS {table}")
     return RunSummary(summary.run_id, summary.kind, summary.events, summary.lines,
                       time.monotonic() - began)

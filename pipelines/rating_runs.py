@@ -82,9 +82,13 @@ def new_run_id(kind: str, now: datetime) -> str:
 
 def rating_id_sql(run_id: str, *, reversal: bool = False) -> str:
     """The rating_id of a row of run `run_id`: its source, its line and the run's random tag
-    (48 bits), short because every row stores one."""
+    (48 bits), short because every row stores one. An aggregate day's row (no event_id) also
+    names its policy version: a day split by a new version holds a line of each version
+    with the same line_index."""
     tag = run_id.rsplit("-", 1)[-1]
-    return f"concat(source_id, ':', line_index, ':{tag}{':reversal' if reversal else ''}')"
+    version = "CASE WHEN event_id IS NULL THEN concat(policy_version, ':') ELSE '' END"
+    return (f"concat(source_id, ':', {version}, line_index,"
+            f" ':{tag}{':reversal' if reversal else ''}')")
 
 
 def reversal_rows_sql(run_id: str, rated_at: str, current: str) -> str:

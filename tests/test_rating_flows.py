@@ -218,8 +218,54 @@ def test_tollgate_flows_run_passes_json_params(tmp_path: Path, monkeypatch: pyte
                               "--param", "occurred_to=2026-11-03T00:00:00Z",
                               "--param", 'accounts=["acct_b"]', "--param", 'policy_ids=["calls"]']) == 0
         assert '"events": 1' in capsys.readouterr().out  # only acct_b's API call
+        # A batch event waiting for the sweep is rated by the sweep that follows a rerate, and
+        # counted as swept, not as re-rated.
+        reply = svc.post("/mgt/v1/events/batch", {"events": [llm("2026-11-03T09:00:00Z", 10, 0)]},
+                         account="acct_b")
+        assert reply.json()["data"]["accepted_count"] == 1
+        wait_for_lake_events(svc.data_dir, 7)
+        assert tollgate_main(["flows", "run", "rerate", "--data-dir", str(svc.data_dir),
+                              "--param", "occurred_from=2026-11-02T00:00:00Z",
+                              "--param", "occurred_to=2026-11-03T00:00:00Z",
+                              "--param", 'policy_ids=["calls"]']) == 0
+        out = capsys.readouterr().out
+        assert '"events": 1' in out and '"swept_events": 1' in out
     finally:
         svc.stop()
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    (["occurred_from=2026-13-01T00:00:00Z", "occurred_to=2026-12-01T00:00:00Z"],
+     "occurred_from='2026-13-01T00:00:00Z' is not an RFC 3339 instant with an offset"),
+    (["occurred_from=2026-11-01", "occurred_to=2026-12-01T00:00:00Z"],
+     "occurred_from='2026-11-01' is not an RFC 3339 instant with an offset"),
+    (["occurred_from=2026-12-01T00:00:00Z", "occurred_to=2026-11-01T00:00:00Z"],
+     "occurred_to (2026-11-01T00:00:00Z) must be after occurred_from (2026-12-01T00:00:00Z)"),
+    (["occurred_from=2026-11-01T00:00:00Z", "occurred_to=2026-12-01T00:00:00Z", 'policy_ids=["llm", "nope"]'],
+     "policy_ids: no policy nope in any applied catalog"),
+    (["occurred_from=2026-11-01T00:00:00Z", "occurred_to=2026-12-01T00:00:00Z", 'accounts=["acct_zz"]'],
+     "accounts: no account acct_zz in the catalog or the lake"),
+    (["occurred_from=2026-11-01T00:00:00Z", "occurred_to=2026-12-01T00:00:00Z", "accounts=acct_a"],
+     "accounts must be a non-empty JSON list of ids"),
+    (["occurred_from=2026-11-01T00:00:00Z"], "rerate needs --param occurred_to=..."),
+])
+def test_a_rerate_with_bad_parameters_is_one_line_and_writes_no_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], params: list[str], message: str) -> None:
+    from tests.lake_events import LakeFeed, apply_catalog, event
+
+    apply_catalog(tmp_path, catalog_toml(policies=POLICIES, prices=PRICES))
+    feed = LakeFeed(tmp_path)
+    try:
+        feed.add(event("acct_a", "api.call", "2026-11-05T00:00:00Z", {}))
+    finally:
+        feed.close()
+    argv = ["flows", "run", "rerate", "--data-dir", str(tmp_path)]
+    for param in params:
+        argv += ["--param", param]
+    assert tollgate_main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert lake_query(tmp_path, "SELECT count(*) FROM lake.rating_runs") == [(0,)]
 
 
 def test_a_single_event_is_rated_inline_and_a_batch_event_is_not(

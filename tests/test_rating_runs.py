@@ -346,3 +346,63 @@ def test_a_sweep_skips_what_a_later_rerate_rated_and_what_any_run_rated_without_
     per_event = dict(rows(conn, "SELECT source_id, count(DISTINCT run_id) FROM lake.ratings"
                                 " WHERE status = 'rated' GROUP BY source_id"))
     assert per_event == {old: 1, new: 1, loose: 1}
+
+
+def test_an_aggregate_day_split_by_a_new_version_keeps_its_rating_ids_unique(lake: Any) -> None:
+    """A version taking effect mid-day gives the day a line of each version, both with
+    line_index 0: their rows (and, once the day is re-rated, their reversals) need distinct ids."""
+    data_dir, feed, conn = lake
+    seats_sum = aggregate("seats.snapshot", "team.seats", "seats", {"op": "sum", "of": {"payload": "seats"}})
+    plan = apply_catalog(data_dir, catalog_toml(
+        policies=policy("seats", ("v1", "2026-01-01T00:00:00Z", SEATS),
+                        ("v2", "2026-11-01T12:00:00Z", seats_sum)), prices=PRICES))
+    lateness = {"acme": 7200}
+    feed.add(event("acct_a", "seats.snapshot", "2026-11-01T06:00:00Z", {"seats": 4}),
+             event("acct_a", "seats.snapshot", "2026-11-01T16:00:00Z", {"seats": 5}))
+    closed = datetime(2026, 11, 3, tzinfo=timezone.utc)
+    [_, run] = close_aggregate_days(conn, plan, lock(data_dir), lateness=lateness, now=closed)
+    day = "acct_a/seats.snapshot/2026-11-01"
+    assert rows(conn, "SELECT policy_version, line_index, quantity_minor, amount_xusd FROM lake.ratings"
+                " WHERE run_id = ? ORDER BY ALL", [run.run_id]) == [
+        ("v1", 0, 4, 4_000_000),   # max of the morning under v1
+        ("v2", 0, 5, 5_000_000)]   # sum of the afternoon under v2
+    feed.add(event("acct_a", "seats.snapshot", "2026-11-01T17:00:00Z", {"seats": 2}))  # late
+    [_, again] = close_aggregate_days(conn, plan, lock(data_dir), lateness=lateness, now=closed)
+    assert rows(conn, "SELECT status, policy_version, amount_xusd FROM lake.ratings WHERE run_id = ?"
+                " ORDER BY ALL", [again.run_id]) == [
+        ("rated", "v1", 4_000_000), ("rated", "v2", 7_000_000),
+        ("reversal", "v1", -4_000_000), ("reversal", "v2", -5_000_000)]
+    assert rows(conn, "SELECT count(*), count(DISTINCT rating_id) FROM lake.ratings WHERE source_id = ?",
+                [day]) == [(6, 6)]
+
+
+def test_a_day_deferred_under_a_policy_the_catalog_dropped_waits_and_is_named(
+        lake: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Days whose events were deferred under a version the applied catalog no longer has are
+    neither billed short nor given an empty run on every close: they stay deferred, are
+    named, and are rated once the catalog has the version again."""
+    data_dir, feed, conn = lake
+    with_seats = catalog_toml(policies=policy("seats", ("v1", "2026-01-01T00:00:00Z", SEATS)),
+                              prices=PRICES)
+    plan = apply_catalog(data_dir, with_seats)
+    lateness = {"acme": 7200}
+    feed.add(event("acct_a", "seats.snapshot", "2026-11-01T08:00:00Z", {"seats": 3}))
+    closed = datetime(2026, 11, 3, tzinfo=timezone.utc)
+    runs = close_aggregate_days(conn, plan, lock(data_dir), lateness=lateness,
+                                now=datetime(2026, 11, 1, 12, tzinfo=timezone.utc))
+    assert [r.kind for r in runs] == ["sweep"]  # deferred; the day is still open
+
+    desks = aggregate("desk.snapshot", "team.seats", "seats", {"op": "max", "of": {"payload": "desks"}})
+    plan = apply_catalog(data_dir, catalog_toml(
+        policies=policy("desks", ("v1", "2026-01-01T00:00:00Z", desks)), prices=PRICES))
+    with caplog.at_level("WARNING", logger="tollgate.rating"):
+        for _ in range(2):
+            assert close_aggregate_days(conn, plan, lock(data_dir), lateness=lateness, now=closed) == []
+    assert "acme:acct_a/seats.snapshot/2026-11-01" in caplog.text
+    assert rows(conn, "SELECT count(*) FROM lake.rating_runs WHERE kind = 'aggregate'") == [(0,)]
+    assert rows(conn, "SELECT status FROM lake.ratings WHERE source = 'event'") == [("deferred",)]
+
+    plan = apply_catalog(data_dir, with_seats)
+    [run] = close_aggregate_days(conn, plan, lock(data_dir), lateness=lateness, now=closed)
+    assert rows(conn, "SELECT source_id, quantity_minor, amount_xusd FROM lake.ratings WHERE run_id = ?",
+                [run.run_id]) == [("acct_a/seats.snapshot/2026-11-01", 3, 3_000_000)]
