@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from litestar import Litestar, Request, get
+from litestar import Litestar, Request, Response, get, head
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import SwaggerRenderPlugin
 
@@ -33,6 +33,14 @@ async def healthz(request: Request[Any, Any, Any]) -> Reply:
     return ok(data, status=200 if ready else 503)
 
 
+@head("/healthz", operation_id="healthz_head", tags=["ops"])
+async def healthz_head(request: Request[Any, Any, Any]) -> Response[None]:
+    """The readiness of GET /healthz as a status alone, for load balancers that probe with HEAD."""
+    runtime: Runtime = request.app.state.runtime
+    ready = runtime.ready and not runtime.writer.closed
+    return Response(content=None, status_code=200 if ready else 503)
+
+
 def create_app(settings: Settings) -> Litestar:
     runtime = Runtime(settings)
 
@@ -43,7 +51,7 @@ def create_app(settings: Settings) -> Litestar:
         await runtime.stop()
 
     app = Litestar(
-        route_handlers=[healthz, EventsController, GateController],
+        route_handlers=[healthz, healthz_head, EventsController, GateController],
         on_startup=[start],
         on_shutdown=[stop],
         exception_handlers={Exception: handle_exception},

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from api import sql_command
 from api.config import Settings
-from pipelines.catalog import CatalogInvalid, load_catalog
+from pipelines.catalog import ID_PATTERN, CatalogInvalid, load_catalog
 from warehouse.catalog_store import CatalogStore
 from warehouse.keys import KeyNotFound, ServiceKeyStore
 
@@ -41,11 +41,9 @@ def apply_catalog(settings: Settings, text: str) -> tuple[bool, str]:
     except CatalogInvalid as exc:
         return False, "\n".join(f"  {f}" for f in exc.faults)
     store = CatalogStore(settings.catalog_dir)
-    previous = store.read()
-    if previous is not None:
-        faults = _grant_changes(previous, catalog)
-        if faults:
-            return False, "\n".join(f"  {f}" for f in faults)
+    faults = _grant_changes(_applied_documents(store), catalog)
+    if faults:
+        return False, "\n".join(f"  {f}" for f in faults)
     from warehouse.catalog_history import record_catalog  # DuckDB loads only when applying
 
     # The lake first: the flows rate under the catalog the lake records last, so a catalog
@@ -59,23 +57,46 @@ def apply_catalog(settings: Settings, text: str) -> tuple[bool, str]:
     return True, f"catalog {catalog.fingerprint} applied (realms: {realms})"
 
 
-def _grant_changes(previous_text: str, catalog: object) -> list[str]:
-    """Grants are idempotent by id: an id once applied may not come back with other terms."""
-    try:
-        previous = load_catalog(previous_text)
-    except CatalogInvalid:
-        return []
+def _applied_documents(store: CatalogStore) -> list[str]:
+    """Every catalog applied to this data folder, oldest first (the history, then the current
+    document in case it predates the history)."""
+    history = store.folder / "history"
+    texts = [p.read_text(encoding="utf-8") for p in sorted(history.glob("*.toml"))] if history.is_dir() else []
+    current = store.read()
+    if current is not None:
+        texts.append(current)
+    return texts
+
+
+def _grant_changes(applied: list[str], catalog: object) -> list[str]:
+    """Grants are idempotent by id: the ledger keeps, per realm and id, the grant first applied
+    and never changes it, so an id once applied (in any earlier catalog, not only the last) may
+    not come back with another amount, effective_at or account."""
+    first: dict[tuple[str, str], tuple[str, object]] = {}
+    for text in applied:
+        try:
+            # grants only: the rating DSL was validated when this document was applied
+            previous = load_catalog(text, dsl_validator=lambda document: [])
+        except CatalogInvalid:
+            continue
+        for realm_id, realm in previous.realms.items():
+            for acct in realm.accounts.values():
+                for g in acct.grants:
+                    first.setdefault((realm_id, g.id), (acct.id, g))
     faults = []
     for realm_id, realm in catalog.realms.items():  # type: ignore[attr-defined]
-        old_realm = previous.realms.get(realm_id)
-        if old_realm is None:
-            continue
-        old = {g.id: g for a in old_realm.accounts.values() for g in a.grants}
         for acct in realm.accounts.values():
             for i, g in enumerate(acct.grants):
-                if g.id in old and (old[g.id].amount_xusd, old[g.id].effective_at) != (g.amount_xusd, g.effective_at):
-                    faults.append(f"realms.{realm_id}.accounts.{acct.id}.grants[{i}]: grant id {g.id!r} "
-                                  "was applied before with another amount or effective_at; use a new id")
+                if (realm_id, g.id) not in first:
+                    continue
+                old_account, old = first[(realm_id, g.id)]
+                where = f"realms.{realm_id}.accounts.{acct.id}.grants[{i}]"
+                if old_account != acct.id:
+                    faults.append(f"{where}: grant id {g.id!r} was applied before to account {old_account!r};"
+                                  " the ledger keeps it there; use a new id")
+                elif (old.amount_xusd, old.effective_at) != (g.amount_xusd, g.effective_at):  # type: ignore[attr-defined]
+                    faults.append(f"{where}: grant id {g.id!r} was applied before with another amount or "
+                                  "effective_at; use a new id")
     return faults
 
 
@@ -156,6 +177,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_keys(args: argparse.Namespace) -> int:
     store = ServiceKeyStore(_settings(args).keys_path)
     if args.keys_cmd == "create":
+        if not ID_PATTERN.fullmatch(args.realm):
+            print(f"tollgate: {args.realm!r} is not a realm id (letters, digits and ._:@/-,"
+                  " 1-128 characters)", file=sys.stderr)
+            return 2
+        applied = CatalogStore(_settings(args).catalog_dir).read()
+        if applied is not None:
+            try:
+                realms = load_catalog(applied).realms
+            except CatalogInvalid:
+                realms = None
+            if realms is not None and args.realm not in realms:
+                # Keys may be made before their realm is applied: say so, and go on.
+                print(f"tollgate: note: the applied catalog has no realm {args.realm!r}"
+                      f" (it has: {', '.join(sorted(realms)) or 'none'})", file=sys.stderr)
         key = store.create(args.realm)
         print(json.dumps({"key_id": key.key_id, "secret": key.secret}))
         return 0

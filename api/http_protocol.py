@@ -8,13 +8,20 @@ and sends both together; everything else passes straight through.
 
 The hook is uvicorn's `_start_asgi_task` (present in 0.54, which this was measured with);
 where a uvicorn lacks it, the plain protocol is used and nothing changes.
+
+A request the HTTP parser refuses (a malformed request line or header, a bad Content-Length)
+never reaches the app; uvicorn answers it with a plain-text 400. Here that answer is the
+error envelope with an `X-Request-Id` like every other response.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from api.envelope import error_body, new_trace_id
 
 __all__ = ["OneWriteHttpToolsProtocol", "http_protocol"]
 
@@ -63,6 +70,18 @@ class OneWriteHttpToolsProtocol(HttpToolsProtocol):
 
         cycle.on_response = on_response
         super()._start_asgi_task(cycle, app)  # type: ignore[misc]
+
+    def send_400_response(self, msg: str) -> None:
+        trace = new_trace_id()
+        body = msgspec.json.encode(error_body(trace, 400, "REQUEST.INVALID",
+                                              "the request is not valid HTTP/1.1"))
+        head = [b"HTTP/1.1 400 Bad Request\r\n"]
+        for name, value in self.server_state.default_headers:
+            head.extend([name, b": ", value, b"\r\n"])
+        head.append(b"content-type: application/json\r\ncontent-length: %d\r\nx-request-id: %s\r\n"
+                    b"connection: close\r\n\r\n" % (len(body), trace.encode()))
+        self.transport.write(b"".join(head) + body)
+        self.transport.close()
 
 
 def http_protocol() -> type[HttpToolsProtocol]:

@@ -35,12 +35,17 @@ __all__ = [
     "Realm",
     "RealmSettings",
     "CODE_PATTERN",
+    "ID_PATTERN",
     "load_catalog",
 ]
 
 CODE_PATTERN = re.compile(r"[a-z0-9]([a-z0-9._/@:-]{0,126}[a-z0-9])?")
 _ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")
+ID_PATTERN = _ID_PATTERN  # realm, account, principal and grant ids
 _INT64_MAX = 2**63 - 1
+# Durations (lease TTLs, skews, rate-limit windows) are added to the clock: beyond this a
+# datetime or timedelta overflows at request time (a 500), so the catalog refuses them.
+_MAX_SECONDS = 10 * 366 * 86400
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,9 +216,10 @@ class _Reader:
 
     def unknown_keys(self, node: dict[str, Any], path: str, allowed: Iterable[str]) -> None:
         allowed_set = set(allowed)
+        hint = f"allowed: {', '.join(sorted(allowed_set))}" if allowed_set else "this table takes no keys"
         for key in node:
             if key not in allowed_set:
-                self.fault(f"{path}.{key}", f"unknown key (allowed: {', '.join(sorted(allowed_set))})")
+                self.fault(f"{path}.{key}", f"unknown key ({hint})")
 
     def string(self, node: dict[str, Any], key: str, path: str, *, default: str | None = None,
                choices: Iterable[str] | None = None, pattern: re.Pattern[str] | None = None) -> str | None:
@@ -251,7 +257,7 @@ class _Reader:
         return number
 
     def integer(self, node: dict[str, Any], key: str, path: str, *, default: int | None = None,
-                minimum: int = 0) -> int | None:
+                minimum: int = 0, maximum: int = _INT64_MAX) -> int | None:
         value = node.get(key, default)
         where = f"{path}.{key}"
         if value is None:
@@ -260,8 +266,8 @@ class _Reader:
         if isinstance(value, bool) or not isinstance(value, int):
             self.fault(where, "must be an integer")
             return None
-        if value < minimum or value > _INT64_MAX:
-            self.fault(where, f"must be at least {minimum}")
+        if value < minimum or value > maximum:
+            self.fault(where, f"must be between {minimum} and {maximum}")
             return None
         return value
 
@@ -272,7 +278,7 @@ class _Reader:
             if value.tzinfo is None:
                 self.fault(where, "must carry an offset (e.g. Z)")
                 return None
-            return value.astimezone(timezone.utc)
+            return self._utc(value, where)
         if not isinstance(value, str):
             self.fault(where, "is required: an RFC 3339 timestamp with an offset")
             return None
@@ -283,7 +289,14 @@ class _Reader:
         if moment is None or moment.tzinfo is None:
             self.fault(where, f"{value!r} is not an RFC 3339 timestamp with an offset")
             return None
-        return moment.astimezone(timezone.utc)
+        return self._utc(moment, where)
+
+    def _utc(self, moment: datetime, where: str) -> datetime | None:
+        try:
+            return moment.astimezone(timezone.utc)
+        except OverflowError:  # 0001-01-01T00:00:00+01:00, 9999-12-31T23:59:59-01:00
+            self.fault(where, f"{moment.isoformat()} has no UTC instant (out of range)")
+            return None
 
     def string_list(self, node: dict[str, Any], key: str, path: str, *,
                     pattern: re.Pattern[str] | None = None) -> tuple[str, ...] | None:
@@ -349,15 +362,17 @@ def _read_realm(r: _Reader, realm_id: str, node: dict[str, Any], path: str,
     r.unknown_keys(s_node, f"{path}.settings",
                    ["lease_ttl_seconds", "lateness_allowance_seconds", "max_future_skew_seconds"])
     settings = RealmSettings(
-        lease_ttl_seconds=r.integer(s_node, "lease_ttl_seconds", f"{path}.settings", default=900, minimum=1) or 900,
+        lease_ttl_seconds=r.integer(s_node, "lease_ttl_seconds", f"{path}.settings", default=900, minimum=1,
+                                    maximum=_MAX_SECONDS) or 900,
         lateness_allowance_seconds=r.integer(s_node, "lateness_allowance_seconds", f"{path}.settings",
-                                             default=7200) or 0,
+                                             default=7200, maximum=_MAX_SECONDS) or 0,
         max_future_skew_seconds=r.integer(s_node, "max_future_skew_seconds", f"{path}.settings",
-                                          default=300) or 0,
+                                          default=300, maximum=_MAX_SECONDS) or 0,
     )
 
     accounts: dict[str, Account] = {}
     principal_account: dict[str, str] = {}
+    grant_account: dict[str, str] = {}  # the ledger keys grants by (realm, id): one account per id
     for acct_id, a_node in r.table(node.get("accounts"), f"{path}.accounts").items():
         a_path = f"{path}.accounts.{acct_id}"
         a_node = r.table(a_node, a_path)
@@ -371,30 +386,34 @@ def _read_realm(r: _Reader, realm_id: str, node: dict[str, Any], path: str,
             if not _ID_PATTERN.fullmatch(principal):
                 r.fault(f"{a_path}.principals[{i}]", f"{principal!r} is not a valid principal id")
             elif principal in principal_account:
+                if principal_account[principal] == acct_id:
+                    continue  # already reported: "has repeated entries"
                 r.fault(f"{a_path}.principals[{i}]",
                         f"principal {principal!r} already belongs to account {principal_account[principal]!r}")
             else:
                 principal_account[principal] = acct_id
         grants: list[Grant] = []
-        seen_grants: set[str] = set()
         for i, g_node in enumerate(r.array_of_tables(a_node.get("grants"), f"{a_path}.grants")):
             g_path = f"{a_path}.grants[{i}]"
             r.unknown_keys(g_node, g_path, ["id", "amount_xusd", "effective_at"])
             gid = r.string(g_node, "id", g_path, pattern=_ID_PATTERN)
             amount = r.integer_string(g_node, "amount_xusd", g_path)
             eff = r.instant(g_node, "effective_at", g_path)
-            if gid is not None and gid in seen_grants:
-                r.fault(f"{g_path}.id", f"grant id {gid!r} is repeated")
+            if gid is not None and gid in grant_account:
+                where = "" if grant_account[gid] == acct_id else f" (also in account {grant_account[gid]!r})"
+                r.fault(f"{g_path}.id", f"grant id {gid!r} is repeated{where}; grant ids are unique per realm")
+            elif gid is not None:
+                grant_account[gid] = acct_id
             if gid is not None and amount is not None and eff is not None:
-                seen_grants.add(gid)
                 grants.append(Grant(gid, amount, eff))
         if funding is not None and credit is not None:
             accounts[acct_id] = Account(acct_id, funding, credit, principals, tuple(grants))
 
     families_node = r.table(node.get("families"), f"{path}.families")
-    for fam in families_node:
+    for fam, fam_node in families_node.items():
         if not CODE_PATTERN.fullmatch(fam):
             r.fault(f"{path}.families.{fam}", "family code must be lower-case [a-z0-9._/@:-], 1-128 chars")
+        r.unknown_keys(r.table(fam_node, f"{path}.families.{fam}"), f"{path}.families.{fam}", [])
     families = frozenset(families_node)
 
     meters: dict[str, Meter] = {}
@@ -405,7 +424,8 @@ def _read_realm(r: _Reader, realm_id: str, node: dict[str, Any], path: str,
         if not CODE_PATTERN.fullmatch(code):
             r.fault(m_path, "meter code must be lower-case [a-z0-9._/@:-], 1-128 chars")
             continue
-        meters[code] = Meter(code, str(m_node.get("unit", "unit")))
+        unit = r.string(m_node, "unit", m_path, default="unit")
+        meters[code] = Meter(code, unit if unit is not None else "unit")
 
     features: dict[str, Feature] = {}
     for code, f_node in r.table(node.get("features"), f"{path}.features").items():
@@ -416,7 +436,10 @@ def _read_realm(r: _Reader, realm_id: str, node: dict[str, Any], path: str,
             r.fault(f_path, "feature code must be lower-case [a-z0-9._/@:-], 1-128 chars")
             continue
         family = f_node.get("family")
-        if family is not None and family not in families:
+        if family is not None and not isinstance(family, str):
+            r.fault(f"{f_path}.family", "must be a string")
+            family = None
+        elif family is not None and family not in families:
             r.fault(f"{f_path}.family", f"unknown family {family!r}")
         primary = r.string(f_node, "primary_meter", f_path)
         allowed = r.string_list(f_node, "meters", f_path) or ((primary,) if primary else ())
@@ -430,7 +453,7 @@ def _read_realm(r: _Reader, realm_id: str, node: dict[str, Any], path: str,
                 r.fault(f"{f_path}.primary_meter", "must be one of the feature's meters")
         ttl = f_node.get("lease_ttl_seconds")
         if ttl is not None:
-            ttl = r.integer(f_node, "lease_ttl_seconds", f_path, minimum=1)
+            ttl = r.integer(f_node, "lease_ttl_seconds", f_path, minimum=1, maximum=_MAX_SECONDS)
         active = f_node.get("active", True)
         if not isinstance(active, bool):
             r.fault(f"{f_path}.active", "must be a boolean")
@@ -439,7 +462,7 @@ def _read_realm(r: _Reader, realm_id: str, node: dict[str, Any], path: str,
             features[code] = Feature(code, family, primary, allowed, ttl, active)
 
     prices: list[Price] = []
-    seen_prices: set[tuple[str, datetime]] = set()
+    seen_prices: set[str] = set()
     for i, p_node in enumerate(r.array_of_tables(node.get("prices"), f"{path}.prices")):
         p_path = f"{path}.prices[{i}]"
         r.unknown_keys(p_node, p_path, ["meter", "unit_price_xusd", "unit_quantity_minor", "rounding", "effective_at"])
@@ -450,15 +473,19 @@ def _read_realm(r: _Reader, realm_id: str, node: dict[str, Any], path: str,
         unit_qty = r.integer_string(p_node, "unit_quantity_minor", p_path, default="1", minimum=1)
         rounding = r.string(p_node, "rounding", p_path, default="floor", choices=("floor", "nearest", "ceil"))
         eff = r.instant(p_node, "effective_at", p_path)
+        price_id = None
         if meter is not None and eff is not None:
-            if (meter, eff) in seen_prices:
-                r.fault(p_path, f"a second price for meter {meter!r} at the same effective_at")
-            seen_prices.add((meter, eff))
-        if None not in (meter, unit_price, unit_qty, rounding, eff):
-            price_id = f"{meter}@{eff.strftime('%Y-%m-%dT%H:%M:%SZ')}"  # type: ignore[union-attr]
+            # The row's id (part of the carry key) is to the second: two rows of a meter in one
+            # second would share it.
+            price_id = f"{meter}@{eff.strftime('%Y-%m-%dT%H:%M:%SZ')}"
+            if price_id in seen_prices:
+                r.fault(p_path, f"a second price for meter {meter!r} at the same effective_at (to the second)")
+            seen_prices.add(price_id)
+        if None not in (meter, unit_price, unit_qty, rounding, eff, price_id):
             prices.append(Price(price_id, meter, unit_price, unit_qty, rounding, eff))  # type: ignore[arg-type]
 
     quotas: list[Quota] = []
+    seen_quotas: set[str] = set()
     for i, q_node in enumerate(r.array_of_tables(node.get("quotas"), f"{path}.quotas")):
         q_path = f"{path}.quotas[{i}]"
         r.unknown_keys(q_node, q_path, ["id", "feature", "scope", "window", "limit_minor", "accounts"])
@@ -469,9 +496,9 @@ def _read_realm(r: _Reader, realm_id: str, node: dict[str, Any], path: str,
         window = r.string(q_node, "window", q_path, choices=("day", "month"))
         limit = r.integer_string(q_node, "limit_minor", q_path)
         q_accounts = _account_filter(r, q_node, q_path, accounts)
-        qid = q_node.get("id") or f"quota-{i}-{feature}"
-        if None not in (feature, scope, window, limit):
-            quotas.append(Quota(str(qid), feature, scope, window, limit, q_accounts))  # type: ignore[arg-type]
+        qid = _rule_id(r, q_node, q_path, f"quota-{i}-{feature}", "quota", seen_quotas)
+        if None not in (feature, scope, window, limit, qid):
+            quotas.append(Quota(qid, feature, scope, window, limit, q_accounts))  # type: ignore[arg-type]
 
     budgets: list[Budget] = []
     seen_budgets: set[str] = set()
@@ -494,6 +521,7 @@ def _read_realm(r: _Reader, realm_id: str, node: dict[str, Any], path: str,
             budgets.append(Budget(bid, scope, window, limit, b_accounts, b_features))  # type: ignore[arg-type]
 
     rate_limits: list[RateLimit] = []
+    seen_rate_limits: set[str] = set()  # the limiter counts by id: two rules must not share one
     for i, l_node in enumerate(r.array_of_tables(node.get("rate_limits"), f"{path}.rate_limits")):
         l_path = f"{path}.rate_limits[{i}]"
         r.unknown_keys(l_node, l_path, ["id", "feature", "scope", "per_seconds", "limit"])
@@ -501,11 +529,11 @@ def _read_realm(r: _Reader, realm_id: str, node: dict[str, Any], path: str,
         if feature is not None and feature not in features:
             r.fault(f"{l_path}.feature", f"unknown feature {feature!r}")
         scope = r.string(l_node, "scope", l_path, default="principal", choices=("account", "principal"))
-        per = r.integer(l_node, "per_seconds", l_path, minimum=1)
+        per = r.integer(l_node, "per_seconds", l_path, minimum=1, maximum=_MAX_SECONDS)
         limit_n = r.integer(l_node, "limit", l_path, minimum=1)
-        lid = l_node.get("id") or f"rate-{i}-{feature}"
-        if None not in (feature, scope, per, limit_n):
-            rate_limits.append(RateLimit(str(lid), feature, scope, per, limit_n))  # type: ignore[arg-type]
+        lid = _rule_id(r, l_node, l_path, f"rate-{i}-{feature}", "rate limit", seen_rate_limits)
+        if None not in (feature, scope, per, limit_n, lid):
+            rate_limits.append(RateLimit(lid, feature, scope, per, limit_n))  # type: ignore[arg-type]
 
     policies: dict[str, Policy] = {}
     for i, pol_node in enumerate(r.array_of_tables(node.get("policies"), f"{path}.policies")):
@@ -519,6 +547,7 @@ def _read_realm(r: _Reader, realm_id: str, node: dict[str, Any], path: str,
         if not v_nodes:
             r.fault(f"{pol_path}.versions", "a policy needs at least one version")
         seen_versions: set[str] = set()
+        seen_effective: dict[datetime, str] = {}
         for j, v_node in enumerate(v_nodes):
             v_path = f"{pol_path}.versions[{j}]"
             r.unknown_keys(v_node, v_path, ["version", "effective_at", "dsl_json"])
@@ -526,6 +555,11 @@ def _read_realm(r: _Reader, realm_id: str, node: dict[str, Any], path: str,
             if version is not None and version in seen_versions:
                 r.fault(f"{v_path}.version", f"version {version!r} is repeated")
             eff = r.instant(v_node, "effective_at", v_path)
+            if eff is not None and eff in seen_effective:
+                r.fault(f"{v_path}.effective_at", f"version {seen_effective[eff]!r} of this policy takes effect at "
+                        "the same instant; which one rates an event would be ambiguous")
+            elif eff is not None and version is not None:
+                seen_effective[eff] = version
             dsl_text = r.string(v_node, "dsl_json", v_path)
             document = _read_dsl(r, dsl_text, f"{v_path}.dsl_json", dsl_validator, features, meters)
             if None not in (version, eff, dsl_text, document):
@@ -541,6 +575,18 @@ def _read_realm(r: _Reader, realm_id: str, node: dict[str, Any], path: str,
         families=families, meters=meters, features=features, prices=tuple(prices),
         quotas=tuple(quotas), budgets=tuple(budgets), rate_limits=tuple(rate_limits), policies=policies,
     )
+
+
+def _rule_id(r: _Reader, node: dict[str, Any], path: str, default: str, kind: str,
+             seen: set[str]) -> str | None:
+    """A quota's or rate limit's id: optional, a valid id when given, unique in the realm."""
+    rid = r.string(node, "id", path, default=default, pattern=_ID_PATTERN) if "id" in node else default
+    if rid is not None:
+        if rid in seen:
+            r.fault(f"{path}.id", f"{kind} id {rid!r} is repeated")
+            return None
+        seen.add(rid)
+    return rid
 
 
 def _account_filter(r: _Reader, node: dict[str, Any], path: str,

@@ -139,3 +139,14 @@ def _disable_key(path: str, key_id: str) -> None:
     from warehouse.keys import ServiceKeyStore
 
     ServiceKeyStore(Path(path)).set_disabled(key_id)
+
+
+def test_a_key_is_made_only_for_a_realm_id_and_an_unknown_realm_is_noted(service: Service) -> None:
+    before = (service.data_dir / "keys.json").read_text()
+    for bad in ("", " acme", "acme realm"):
+        made = tollgate("keys", "create", "--realm", bad, data_dir=service.data_dir, check=False)
+        assert made.returncode == 2 and "is not a realm id" in made.stderr, made.stderr
+    assert (service.data_dir / "keys.json").read_text() == before
+    made = tollgate("keys", "create", "--realm", "not-applied", data_dir=service.data_dir)
+    assert "has no realm 'not-applied'" in made.stderr
+    assert json.loads(made.stdout)["key_id"]

@@ -108,3 +108,65 @@ principals = ["team-late"]
     while service.post("/mgt/v1/events", body, account="acct_late").status_code != 201:
         assert time.monotonic() < deadline, "catalog not picked up within 2 s"
         time.sleep(0.1)
+
+
+def _with(extra: str, base: str | None = None) -> str:
+    return (base if base is not None else EXAMPLE.read_text()) + "\n" + extra + "\n"
+
+
+def test_rules_that_used_to_crash_or_slip_through_are_faults_with_their_paths() -> None:
+    text = EXAMPLE.read_text()
+    cases = {
+        # a non-string family crashed the loader (unhashable list)
+        "realms.acme.features.llm.chat.family": text.replace('family = "llm"', 'family = ["llm"]'),
+        # an offset that takes the instant out of range crashed it (OverflowError)
+        "realms.acme.accounts.acct_prepaid.grants[0].effective_at":
+            text.replace('effective_at = "2026-11-01T00:00:00Z"', 'effective_at = "0001-01-01T00:00:00+01:00"'),
+        # the ledger keys grants by (realm, id): a second account's grant would never be booked
+        "realms.acme.accounts.acct_postpaid.grants[0].id": _with(
+            '[[realms.acme.accounts.acct_postpaid.grants]]\nid = "welcome-2026-11"\n'
+            'amount_xusd = "1"\neffective_at = "2026-11-01T00:00:00Z"'),
+        # two rate limits with one id would share the limiter's counters
+        "realms.acme.rate_limits[1].id": _with(
+            '[[realms.acme.rate_limits]]\nid = "rate-0-api.search"\nfeature = "api.search"\nper_seconds = 60\nlimit = 5'),
+        "realms.acme.quotas[0].id": text.replace('[[realms.acme.quotas]]\n', '[[realms.acme.quotas]]\nid = 5\n'),
+        # two versions of a policy at one instant: which rates an event is ambiguous
+        "realms.acme.policies[1].versions[1].effective_at": _with(
+            '[[realms.acme.policies.versions]]\nversion = "v2"\neffective_at = "2026-01-01T00:00:00Z"\n'
+            'dsl_json = \'{"dsl_version": "v1", "engine": "aggregate", "match": {"event_type": "seats.snapshot"}, '
+            '"emit": {"intents": [{"feature_code": "api.search", "meters": [{"meter_code": "api.calls", '
+            '"quantity_minor": {"agg": {"op": "max", "of": {"payload": "seats"}, "default": 1}}}]}]}}\''),
+        # price ids are to the second (the carry's key): two rows in one second would share one
+        "realms.acme.prices[3]": _with('[[realms.acme.prices]]\nmeter = "api.calls"\nunit_price_xusd = "1"\n'
+                                       'effective_at = "2026-01-01T00:00:00.5Z"'),
+        # a TTL that overflows the clock answered every authorize with a 500
+        "realms.acme.features.llm.chat.lease_ttl_seconds":
+            text.replace("lease_ttl_seconds = 600", "lease_ttl_seconds = 300000000000"),
+        "realms.acme.meters.api.calls.unit": text.replace('unit = "request"', "unit = 5"),
+        "realms.acme.families.llm.color": text.replace("[realms.acme.families.llm]", '[realms.acme.families.llm]\ncolor = "red"'),
+    }
+    for path, document in cases.items():
+        with pytest.raises(CatalogInvalid) as info:
+            load_catalog(document)
+        assert path in {f.path for f in info.value.faults}, (path, [str(f) for f in info.value.faults])
+
+
+def test_a_grant_id_applied_in_any_earlier_catalog_cannot_change_or_move(tmp_path: Path) -> None:
+    fixture = (FIXTURES / "catalog.toml").read_text()
+    grant = ('[[realms.acme.accounts.acct_prepaid.grants]]\nid = "welcome-2026-11"\n'
+             'amount_xusd = "5000000"\neffective_at = "2026-11-01T00:00:00Z"\n')
+    assert grant in fixture
+    tollgate("catalog", "apply", str(FIXTURES / "catalog.toml"), data_dir=tmp_path)
+    without = tmp_path / "without.toml"
+    without.write_text(fixture.replace(grant, ""))
+    assert tollgate("catalog", "apply", str(without), data_dir=tmp_path).returncode == 0
+    # the ledger still holds 5 USD under this id: 9 USD must not be accepted (and ignored)
+    changed = tmp_path / "changed.toml"
+    changed.write_text(fixture.replace('amount_xusd = "5000000"', 'amount_xusd = "9000000"'))
+    r = tollgate("catalog", "apply", str(changed), data_dir=tmp_path, check=False)
+    assert r.returncode == 1 and "welcome-2026-11" in r.stderr
+    moved = tmp_path / "moved.toml"
+    moved.write_text(fixture.replace(grant, "") + "\n" + grant.replace("acct_prepaid", "acct_postpaid"))
+    r = tollgate("catalog", "apply", str(moved), data_dir=tmp_path, check=False)
+    assert r.returncode == 1 and "applied before to account 'acct_prepaid'" in r.stderr
+    assert tollgate("catalog", "apply", str(FIXTURES / "catalog.toml"), data_dir=tmp_path).returncode == 0

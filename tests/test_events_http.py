@@ -193,6 +193,8 @@ def test_unknown_route_gets_the_error_envelope(service: Service) -> None:
 
 def test_healthz_and_openapi_need_no_auth(service: Service) -> None:
     assert service.client.get(service.base_url + "/healthz").json()["data"]["status"] == "ready"
+    probe = service.client.head(service.base_url + "/healthz")
+    assert (probe.status_code, probe.content) == (200, b"")
     schema = service.client.get(service.base_url + "/schema/openapi.json").json()
     assert "/mgt/v1/events" in schema["paths"]
 
@@ -241,3 +243,15 @@ def test_an_integral_number_is_one_fact_whatever_its_spelling(service: Service) 
     again = service.request("POST", "/mgt/v1/events", raw=raw.encode(), account="acct_events")
     assert first.status_code == 201 and again.status_code == 200, again.text
     assert again.json()["data"]["event_id"] == first.json()["data"]["event_id"]
+
+
+def test_a_body_that_is_not_utf8_is_malformed_json_not_a_500(service: Service) -> None:
+    good = json.dumps(event()).encode()
+    bad = good.replace(b'"input_tokens"', b'"input_\xfftokens"')
+    r = service.request("POST", "/mgt/v1/events", raw=bad, account="acct_events")
+    assert (r.status_code, r.json()["code"]) == (400, "VALIDATION.MALFORMED_JSON"), r.text
+    assert "UTF-8" in r.json()["message"]
+    r = service.request("POST", "/mgt/v1/events/batch", raw=b'{"events": [' + good + b", " + bad + b"]}",
+                        account="acct_events")
+    assert r.status_code == 207, r.text
+    assert [x["status"] for x in r.json()["data"]["results"]] == ["accepted", "invalid"]

@@ -357,3 +357,11 @@ def test_idempotency_keys_on_commit_and_cancel_replay_what_was_stored(fresh_serv
     plain = svc.post("/mgt/v1/gate/cancel", cancel, principal="gate-p")  # without the key: a no-op
     assert plain.json()["data"]["cancelled"] is False and plain.json()["data"]["released_cap"] == "0"
     svc.stop()
+
+
+@pytest.mark.parametrize("path", ["/mgt/v1/gate/authorize", "/mgt/v1/gate/commits", "/mgt/v1/gate/cancel"])
+def test_a_body_that_is_not_utf8_or_nests_too_deep_is_malformed_json(service: Service, path: str) -> None:
+    for raw, reason in ((b'{"feature_code": "api.\xff"}', "UTF-8"), (b"[" * 5000 + b"]" * 5000, "nested")):
+        r = service.request("POST", path, raw=raw, principal="gate-p")
+        assert (r.status_code, r.json()["code"]) == (400, "VALIDATION.MALFORMED_JSON"), r.text
+        assert reason in r.json()["message"]

@@ -60,3 +60,23 @@ def test_the_service_runs_on_it_and_answers_head_and_pipelined_requests(service:
             data += chunk
     first, second = data.split(b"HTTP/1.1 ")[1:3]
     assert first.startswith(b"405") and second.startswith(b"200")
+
+
+def test_a_request_the_parser_refuses_gets_the_error_envelope(service: Service) -> None:
+    import json
+
+    for request in (b"HELLO\r\n\r\n",
+                    b"POST /mgt/v1/events HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n"):
+        with socket.create_connection(("127.0.0.1", service.port), timeout=5) as s:
+            s.sendall(request)
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+        head, body = data.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 400 "), data
+        headers = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:])
+        envelope = json.loads(body)
+        assert envelope["ok"] is False and envelope["code"] == "REQUEST.INVALID"
+        assert envelope["meta"] == {"status": 400} and envelope["errors"] == []
+        assert headers[b"x-request-id"].decode() == envelope["trace_id"]
+        assert headers[b"content-type"] == b"application/json"

@@ -36,9 +36,16 @@ def _errors(found: list[FieldError]) -> list[dict[str, Any]]:
     return [msgspec.structs.asdict(e) for e in found]
 
 
+# What decoding a client's body can raise: msgspec raises UnicodeDecodeError (not a
+# DecodeError) for a string that is not valid UTF-8, and RecursionError past its depth limit.
+_UNDECODABLE = (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeDecodeError)
+
+
 def _reason(exc: Exception) -> str:
     if isinstance(exc, RecursionError):
         return "nested too deeply"
+    if isinstance(exc, UnicodeDecodeError):
+        return "not valid UTF-8"
     return str(exc)
 
 
@@ -73,7 +80,7 @@ async def record_event(request: Any) -> Reply:
     runtime, body, realm, account = await _event_call(request)
     try:
         item = decode_event(body)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+    except _UNDECODABLE as exc:
         raise _malformed(exc) from None
     result = validate_event(item, realm=realm.id, billing_account_id=account, now=utcnow(),
                             max_future_skew_seconds=realm.settings.max_future_skew_seconds,
@@ -88,7 +95,7 @@ async def record_event_batch(request: Any) -> Reply:
     runtime, body, realm, account = await _event_call(request)
     try:
         batch = _decode_batch(body)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+    except _UNDECODABLE as exc:
         if isinstance(exc, msgspec.ValidationError) and "$.events" in str(exc):
             raise Unprocessable("VALIDATION.INVALID_INPUT", "events must be an array of event objects",
                                 errors=[{"field": "events", "code": "VALIDATION.INVALID_TYPE",
@@ -110,7 +117,7 @@ async def record_event_batch(request: Any) -> Reply:
     for index, raw in enumerate(items):
         try:
             item = decode_event(raw)
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        except _UNDECODABLE as exc:
             results[index] = {"index": index, "status": "invalid", "error": {
                 "code": "VALIDATION.INVALID_TYPE",
                 "message": f"an event must be a JSON object of the event's fields ({_reason(exc)})",

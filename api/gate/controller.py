@@ -160,6 +160,10 @@ async def _handle(request: Any, endpoint: str, decide: Any) -> Reply:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise BadRequest("VALIDATION.MALFORMED_JSON", f"body is not valid JSON: {exc}") from None
+    except UnicodeDecodeError:  # msgspec's answer to a string that is not UTF-8
+        raise BadRequest("VALIDATION.MALFORMED_JSON", "body is not valid JSON: not valid UTF-8") from None
+    except RecursionError:
+        raise BadRequest("VALIDATION.MALFORMED_JSON", "body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("VALIDATION.MALFORMED_JSON", "body must be a JSON object")
     idem = None
