@@ -8,6 +8,7 @@ import itertools
 import json
 import shutil
 import signal
+import threading
 import time
 import uuid
 from datetime import datetime, timedelta, timezone
@@ -23,7 +24,7 @@ from api.auth import sign_headers
 from api.events.ingest import to_record
 from pipelines.events import EventIn, ValidEvent, validate_event
 from tests.conftest import Service
-from warehouse.export import ExportMismatch, LakeExporter
+from warehouse.export import ExportMismatch, LakeExporter, run_exporter_thread
 from warehouse.lake import connect_lake
 from warehouse.operational import open_operational
 from warehouse.outbox import EventOutbox
@@ -165,6 +166,41 @@ def test_micro_batches_keep_commit_order_and_never_split_a_commit(tmp_path: Path
     indexes = lake_rows(tmp_path, "SELECT source_id, list(line_index ORDER BY rating_id) FROM lake.ratings "
                         "GROUP BY source_id")
     assert dict(indexes) == {c: list(range(n)) for c, n in zip(commits, (2, 3, 1, 2), strict=False)}
+
+
+def test_a_stop_with_more_than_a_round_waiting_leaves_nothing_behind(tmp_path: Path,
+                                                                   op: OperationalFile) -> None:
+    # A round ships at most `batch_rows` rows a stream. A clean stop met with a backlog (after
+    # a lake stall or a restart) used to run one last round and leave the rest unexported.
+    op.add_events(8)
+    op.add_commit(2)
+    op.add_inline_rating()
+    stop = threading.Event()
+    stop.set()  # the backlog is met at shutdown
+    thread = run_exporter_thread(op.conn, tmp_path, stop, interval=0.05, batch_rows=3)
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert lake_rows(tmp_path, "SELECT count(*), count(DISTINCT event_id) FROM lake.events") == [(8, 8)]
+    assert lake_rows(tmp_path, "SELECT from_seq, to_seq FROM lake.export_log WHERE stream = 'events' "
+                     "ORDER BY export_id") == [(1, 3), (4, 6), (7, 8)]
+    assert op.conn.execute("SELECT stream, last_seq FROM export_watermarks ORDER BY stream").fetchall() == [
+        ("commit_lines", 2), ("events", 8), ("inline_ratings", 1)]
+
+
+def test_a_stop_ends_the_exporter_when_the_lake_fails(tmp_path: Path, op: OperationalFile,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    op.add_events(8)
+
+    def fail(self: LakeExporter, conn: duckdb.DuckDBPyConnection) -> dict[str, int]:
+        self.behind = True  # as a round that failed after reading a full batch
+        raise duckdb.IOException("the lake is gone")
+
+    monkeypatch.setattr(LakeExporter, "export_once", fail)
+    stop = threading.Event()
+    stop.set()
+    thread = run_exporter_thread(op.conn, tmp_path, stop, interval=0.05, batch_rows=3)
+    thread.join(timeout=10)
+    assert not thread.is_alive()  # the next start exports what is left
 
 
 def test_a_crash_after_the_lake_commit_writes_nothing_twice(tmp_path: Path, op: OperationalFile,

@@ -103,3 +103,32 @@ def test_a_lake_made_with_an_absolute_path_attaches_through_a_relative_one(
     reader = connect_lake(Path("var"), read_only=True)
     assert reader.execute("SELECT fingerprint FROM lake.catalog_versions").fetchall() == [("fp",)]
     reader.close()
+
+
+def _die_inside_a_catalog_write(catalog: str) -> None:
+    import os
+    import sqlite3
+
+    db = sqlite3.connect(catalog, isolation_level=None)
+    db.execute("PRAGMA cache_size = 1")  # pages reach the file before the commit
+    db.execute("BEGIN IMMEDIATE")
+    db.execute("CREATE TABLE half_done (x)")
+    db.executemany("INSERT INTO half_done VALUES (?)", [("x" * 1000,)] * 2000)
+    os._exit(0)  # killed mid-transaction: the rollback journal is left behind, hot
+
+
+def test_a_read_only_attach_rolls_back_what_a_killed_writer_left_half_done(tmp_path: Path) -> None:
+    conn = connect_lake(tmp_path)
+    conn.execute("INSERT INTO lake.rating_runs VALUES ('r1', 'sweep', 'completed', now(), now(), '{}', 1, 1)")
+    conn.close()
+    catalog, _ = lake_paths(tmp_path)
+    child = multiprocessing.get_context("spawn").Process(target=_die_inside_a_catalog_write, args=(str(catalog),))
+    child.start()
+    child.join()
+    assert catalog.with_name(catalog.name + "-journal").exists()
+    reader = connect_lake(tmp_path, read_only=True)  # failed with "attempt to write a readonly database"
+    assert reader.execute("SELECT run_id FROM lake.rating_runs").fetchall() == [("r1",)]
+    reader.close()
+    with duckdb.connect() as db:
+        tables = db.execute(f"SELECT name FROM sqlite_scan('{catalog}', 'sqlite_master')").fetchall()
+    assert ("half_done",) not in tables

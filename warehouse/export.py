@@ -352,14 +352,16 @@ class LakeExporter:
 
 
 def run_exporter_thread(op_conn: duckdb.DuckDBPyConnection, data_dir: Path,
-                        stop: threading.Event, interval: float = 1.0) -> threading.Thread:
-    """Start exporting in a thread of its own until `stop` is set (then one last round).
+                        stop: threading.Event, interval: float = 1.0,
+                        batch_rows: int = BATCH_ROWS) -> threading.Thread:
+    """Start exporting in a thread of its own until `stop` is set (then last rounds until
+    the lake holds everything the file does, or a round fails).
 
     Call it from the thread that owns `op_conn`, before that thread starts using it: the
     cursor made here is a separate connection to the same database, used only by the new
     thread. Failures are logged and retried with a growing pause (at most 30 s)."""
     cursor = op_conn.cursor()
-    exporter = LakeExporter(data_dir)
+    exporter = LakeExporter(data_dir, batch_rows=batch_rows)
 
     def loop() -> None:
         run_in_background()
@@ -367,15 +369,20 @@ def run_exporter_thread(op_conn: duckdb.DuckDBPyConnection, data_dir: Path,
         try:
             while True:
                 stopping = stop.is_set()
+                more_waiting = False  # stays False when the round fails
                 try:
                     counts = exporter.export_once(cursor)
                     if any(counts.values()):
                         log.debug("exported %s", counts)
+                    more_waiting = exporter.behind
                     pause = 0.0 if exporter.behind else interval
                 except Exception:
                     log.exception("lake export failed; retrying")
                     pause = min(max(pause, interval) * 2, 30.0)
-                if stopping:
+                # A round ships at most `batch_rows` rows a stream: when stopping with more
+                # waiting (a backlog after a lake stall or a restart), keep going until the
+                # lake has them all. A failing round ends it; the next start exports the rest.
+                if stopping and not more_waiting:
                     return
                 stop.wait(pause)
         finally:

@@ -46,9 +46,11 @@ Tables (all times UTC):
 
 from __future__ import annotations
 
+import logging
+import sqlite3
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -57,6 +59,7 @@ import duckdb
 __all__ = ["LAKE_TABLES", "attach_lake", "connect_lake", "lake_paths", "transaction", "with_lake_retry"]
 
 T = TypeVar("T")
+log = logging.getLogger("tollgate.lake")
 
 LAKE_TABLES: dict[str, str] = {
     "events": """
@@ -188,7 +191,13 @@ def attach_lake(conn: duckdb.DuckDBPyConnection, data_dir: Path, *, read_only: b
     catalog.parent.mkdir(parents=True, exist_ok=True)
     data.mkdir(parents=True, exist_ok=True)
     options = f"DATA_PATH '{data}/'" + (", READ_ONLY" if read_only else "")
-    with_lake_retry(lambda: conn.execute(f"ATTACH 'ducklake:sqlite:{catalog}' AS {alias} ({options})"))
+    attach = f"ATTACH 'ducklake:sqlite:{catalog}' AS {alias} ({options})"
+    try:
+        with_lake_retry(lambda: conn.execute(attach))
+    except duckdb.Error as exc:
+        if not (read_only and "readonly database" in str(exc) and _roll_back_dead_write(catalog)):
+            raise
+        with_lake_retry(lambda: conn.execute(attach))
     if not read_only:
         _upgrade(conn, alias)
         for table, columns in LAKE_TABLES.items():
@@ -200,6 +209,24 @@ def attach_lake(conn: duckdb.DuckDBPyConnection, data_dir: Path, *, read_only: b
                     conn.execute(f"CREATE OR REPLACE VIEW {alias}.ratings AS {RATINGS_VIEW}")
                     conn.execute(f"COMMENT ON VIEW {alias}.ratings IS '{RATINGS_VIEW_VERSION}'")
             with_lake_retry(create_view)
+
+
+def _roll_back_dead_write(catalog: Path) -> bool:
+    """Let SQLite roll back what a killed writer left half done in the lake's catalog.
+
+    A process killed inside a lake commit leaves a hot rollback journal next to the catalog,
+    and a read-only connection may not roll it back: every read-only attach (`tollgate sql`,
+    the flows' reads) then fails with "attempt to write a readonly database" until a writer
+    opens the lake. SQLite rolls a journal back only when no live process holds the write
+    lock, so a read here restores the last committed state and never touches a live write.
+    False when there is no journal to roll back."""
+    journal = catalog.with_name(catalog.name + "-journal")
+    if not journal.exists():
+        return False
+    log.warning("rolling back an unfinished write to %s left by a stopped process", catalog)
+    with closing(sqlite3.connect(catalog, timeout=10)) as db:
+        db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    return True
 
 
 def _listed(conn: duckdb.DuckDBPyConnection, alias: str, name: str, *, view: bool) -> tuple[str | None] | None:
