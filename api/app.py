@@ -34,11 +34,11 @@ async def healthz(request: Request[Any, Any, Any]) -> Reply:
 
 
 @head("/healthz", operation_id="healthz_head", tags=["ops"])
-async def healthz_head(request: Request[Any, Any, Any]) -> Response[None]:
+async def healthz_head(request: Request[Any, Any, Any]) -> Response[bytes]:
     """The readiness of GET /healthz as a status alone, for load balancers that probe with HEAD."""
     runtime: Runtime = request.app.state.runtime
     ready = runtime.ready and not runtime.writer.closed
-    return Response(content=None, status_code=200 if ready else 503)
+    return Response(content=b"", status_code=200 if ready else 503)
 
 
 def create_app(settings: Settings) -> Litestar:
