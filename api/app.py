@@ -34,7 +34,7 @@ async def healthz(request: Request[Any, Any, Any]) -> Reply:
 
 
 @head("/healthz", operation_id="healthz_head", tags=["ops"])
-async def healthz_head(request: Request[Any, Any, Any]) -> Response[bytes]:
+async def healthz_head(request: Request[Any, Any, Any]) -> Response[None]:
     """The readiness of GET /healthz as a status alone, for load balancers that probe with HEAD."""
     runtime: Runtime = request.app.state.runtime
     ready = runtime.ready and not runtime.writer.closed
