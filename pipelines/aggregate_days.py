@@ -77,6 +77,16 @@ def close_aggregate_days(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, lock
 
 def _rate_days(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, lateness: Mapping[str, int],
                now: datetime) -> RunSummary | None:
+    """`_rate_closed_days`, with its scratch tables dropped however it ends."""
+    try:
+        return _rate_closed_days(conn, plan, lateness, now)
+    finally:
+        for table in (_EVENTS, _DAYS, _LINES, _PREVIOUS, _LATENESS, _VERSIONS):
+            conn.execute(f"DROP TABLE IF EXISTS {table}")
+
+
+def _rate_closed_days(conn: duckdb.DuckDBPyConnection, plan: RatingPlan,
+                      lateness: Mapping[str, int], now: datetime) -> RunSummary | None:
     versions = [v for v in plan.versions if v.document.engine == "aggregate"]
     if not versions:
         return None
@@ -139,8 +149,6 @@ def _rate_days(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, lateness: Mapp
     days = conn.execute(f"SELECT count(*) FROM {_DAYS}").fetchone()
     day_count = int(days[0]) if days else 0
     if not day_count:
-        for table in (_EVENTS, _DAYS, _PREVIOUS, _LATENESS, _VERSIONS):
-            conn.execute(f"DROP TABLE IF EXISTS {table}")
         return None
 
     lines = []
@@ -195,7 +203,5 @@ def _rate_days(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, lateness: Mapp
     summary = write_run(conn, run_id=run_id, kind="aggregate", started_at=started_at,
                         params={"closed_before": now.isoformat(), "days": day_count},
                         rows_sql=f"{reversals} UNION ALL {new_rows}", events=day_count)
-    for table in (_EVENTS, _DAYS, _LINES, _PREVIOUS, _LATENESS, _VERSIONS):
-        conn.execute(f"DROP TABLE IF EXISTS {table}")
     return RunSummary(summary.run_id, summary.kind, summary.events, summary.lines,
                       time.monotonic() - began)
