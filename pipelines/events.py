@@ -35,8 +35,11 @@ MAX_LABELS = 32
 MAX_LABEL_TEXT = 256
 _LABEL_KEY = re.compile(r"[a-z][a-z0-9_.-]{0,63}")
 _RFC3339 = re.compile(
-    r"\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d{1,9})?([Zz]|[+-]\d{2}:\d{2})"
+    r"\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.[0-9]+)?([Zz]|[+-]\d{2}:\d{2})"
 )
+# msgspec reads at most 9 fraction digits and rounds half up at the 7th, so the digits past
+# the 9th, which RFC 3339 allows, cannot change the microsecond: they are cut before parsing.
+_MAX_FRACTION = 9
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 LabelValue = str | bool | int | float
@@ -93,8 +96,12 @@ decode_event = msgspec.json.Decoder(EventIn, float_hook=float_hook).decode
 
 
 def _parse_instant(text: str) -> datetime | None:
-    if not _RFC3339.fullmatch(text):
+    match = _RFC3339.fullmatch(text)
+    if not match:
         return None
+    fraction_end = match.end(1)
+    if fraction_end - match.start(1) > 1 + _MAX_FRACTION:
+        text = text[:match.start(1) + 1 + _MAX_FRACTION] + text[fraction_end:]
     try:
         moment = msgspec.convert(text, datetime)
         if moment.tzinfo is None:
