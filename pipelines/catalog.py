@@ -477,7 +477,7 @@ def _read_realm(r: _Reader, realm_id: str, node: dict[str, Any], path: str,
         if meter is not None and eff is not None:
             # The row's id (part of the carry key) is to the second: two rows of a meter in one
             # second would share it.
-            price_id = f"{meter}@{eff.strftime('%Y-%m-%dT%H:%M:%SZ')}"
+            price_id = f"{meter}@{eff.replace(tzinfo=None).isoformat(timespec='seconds')}Z"
             if price_id in seen_prices:
                 r.fault(p_path, f"a second price for meter {meter!r} at the same effective_at (to the second)")
             seen_prices.add(price_id)

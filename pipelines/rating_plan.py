@@ -103,7 +103,7 @@ def sql_text(text: str | None) -> str:
 def sql_instant(moment: datetime) -> str:
     """A TIMESTAMPTZ literal, exact to the microsecond."""
     utc = moment.astimezone(timezone.utc)
-    return f"TIMESTAMPTZ '{utc.strftime('%Y-%m-%d %H:%M:%S.%f')}+00'"
+    return f"TIMESTAMPTZ '{utc.replace(tzinfo=None).isoformat(sep=' ', timespec='microseconds')}+00'"
 
 
 @dataclass(frozen=True, slots=True)

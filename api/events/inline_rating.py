@@ -56,7 +56,8 @@ def _instant(us: int) -> datetime:
 
 
 def _rfc3339(moment: datetime) -> str:
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    # isoformat, not strftime: glibc's %Y does not pad years before 1000 to four digits.
+    return moment.astimezone(timezone.utc).replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
 
 
 class _RealmRules:
