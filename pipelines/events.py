@@ -11,6 +11,7 @@ Every fault of an event is reported, each with the field it concerns.
 from __future__ import annotations
 
 import re
+import sys
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -33,6 +34,7 @@ MAX_EVENT_TYPE = 128
 MAX_SUBJECT_REF = 256
 MAX_LABELS = 32
 MAX_LABEL_TEXT = 256
+_LABEL_NUMBER_MAX = int(sys.float_info.max)
 _LABEL_KEY = re.compile(r"[a-z][a-z0-9_.-]{0,63}")
 _RFC3339 = re.compile(
     r"\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.[0-9]+)?([Zz]|[+-]\d{2}:\d{2})"
@@ -150,6 +152,13 @@ def _check_labels(raw: Any, errors: list[FieldError], field: str) -> dict[str, L
             errors.append(
                 FieldError(where, "VALIDATION.INVALID_TYPE",
                            "label value must be a string, a boolean or a number")
+            )
+            continue
+        elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > _LABEL_NUMBER_MAX:
+            # The typed number slot is a double: beyond its range the slot would read inf.
+            errors.append(
+                FieldError(where, "VALIDATION.INVALID_VALUE",
+                           "label number is beyond the range of a double (about 1.8e308)")
             )
             continue
         labels[norm] = value

@@ -154,3 +154,16 @@ def test_singles_and_batches_racing_on_one_event_accept_it_exactly_once(service:
 
     statuses = [s for out in asyncio.run(run()) for s in out]
     assert sorted(statuses) == ["accepted"] + ["duplicate"] * 34
+
+
+def test_a_label_number_beyond_the_range_of_a_double_is_invalid(service: Service) -> None:
+    # The label's typed number slot is a double: 10**400 would read back as inf.
+    body = {"semantic_kind": "activity", "event_type": "label.range", "occurred_at": "2026-11-01T00:00:00Z",
+            "labels": {"big": 10 ** 400}}
+    res = service.post("/mgt/v1/events", body, account=ACCT)
+    assert res.status_code == 422, res.text
+    assert [e["field"] for e in res.json()["errors"]] == ["labels.big"]
+    body["labels"] = {"big": 2 ** 64 + 1}  # beyond 64 bits but a finite double: kept exactly
+    res = service.post("/mgt/v1/events", body, account=ACCT)
+    assert res.status_code == 201, res.text
+    assert res.json()["data"]["labels"] == {"big": 2 ** 64 + 1}
