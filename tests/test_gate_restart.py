@@ -152,7 +152,7 @@ def test_amounts_beyond_bigint_are_refused_before_anything_is_written() -> None:
     huge = 10 ** 17
     tx = Transaction(conn, NOW)
     refused = book.authorize(tx, AuthorizeOp("acme", "team-c", "acct_postpaid", None, "gate.unit", huge, {}, None))()
-    assert (refused.status, refused.code) == (422, "VALIDATION.INVALID_VALUE")
+    assert (refused.status, refused.code) == (422, "VALIDATION.INVALID_INPUT")
     assert refused.errors[0]["field"] == "estimated_quantity_minor"
     assert tx.rows == {}
     ok = book.authorize(tx, AuthorizeOp("acme", "team-c", "acct_postpaid", None, "gate.unit", 1, {}, None))()
@@ -160,7 +160,7 @@ def test_amounts_beyond_bigint_are_refused_before_anything_is_written() -> None:
     seq_before = (book.commit_seq, book.line_seq)
     over = book.commit(tx, CommitOp("acme", "team-c", "acct_postpaid", token, "gate.unit", huge,
                                     None, {}, b"{}", None))()
-    assert (over.status, over.code) == (422, "VALIDATION.INVALID_VALUE")
+    assert (over.status, over.code) == (422, "VALIDATION.INVALID_INPUT")
     assert (book.commit_seq, book.line_seq) == seq_before and "commits" not in tx.rows
     done = book.commit(tx, CommitOp("acme", "team-c", "acct_postpaid", token, "gate.unit", 3,
                                     None, {}, b"{}", None))()

@@ -199,6 +199,13 @@ def _error(status: int, code: str, message: str, **extra: Any) -> GateOutcome:
 _INT64_MAX = 2 ** 63 - 1  # amounts are BIGINT in the file and the lake
 
 
+def _hint_amount(xusd: int) -> int:
+    """An amount for a hint, within signed 64-bit. A shortfall grows with an account's debt,
+    which commits may push past any bound; an outcome travels from the writer as msgpack,
+    which cannot carry an integer beyond 2^64-1 (the writer would die sending the reply)."""
+    return min(xusd, _INT64_MAX)
+
+
 def _price_lines(prices: PriceIndex, lines: list[tuple[str, int]], now: datetime,
                  carried: Callable[[str, str], int]) -> list[tuple[str, int, PriceRow | None, PricedLine | None]] | None:
     """Each line with its price row in force and its pricing, the carry running from line to
@@ -382,11 +389,6 @@ class GateBook:
         estimate = op.estimated_quantity_minor
         row = self._prices(realm).at(feature.primary_meter, now)
         cost = quote(row, estimate) if row is not None else 0
-        if cost > _INT64_MAX:
-            return _error(422, "VALIDATION.INVALID_VALUE",
-                          f"the estimate's price is beyond what the ledger holds ({_INT64_MAX} xusd)",
-                          errors=[{"field": "estimated_quantity_minor", "code": "VALIDATION.INVALID_VALUE",
-                                   "message": "priced, this estimate exceeds 2^63-1 xusd"}])
         hints: list[dict[str, Any]] = []
 
         quotas = self._quotas(realm, feature, account.id)
@@ -413,7 +415,7 @@ class GateBook:
             if shortfall > 0:
                 return _error(402, "BUDGET.EXHAUSTED", f"budget {b.id} ({b.window}) would be exceeded",
                               hints=[{"type": "budget.shortfall", "budget_id": b.id,
-                                      "shortfall_xusd": shortfall}])
+                                      "shortfall_xusd": _hint_amount(shortfall)}])
             headroom = -shortfall
             if headroom * LOW_HEADROOM_DIVISOR < b.limit_xusd:
                 hints.append({"type": "budget.low_headroom", "budget_id": b.id, "headroom_xusd": headroom})
@@ -423,7 +425,16 @@ class GateBook:
                          - self.holds.funding.get((realm.id, account.id), 0))
             if cost > available:
                 return _error(402, "FUNDING.INSUFFICIENT", "the account's balance does not cover the estimate",
-                              hints=[{"type": "funding.xusd_shortfall", "shortfall_xusd": cost - available}])
+                              hints=[{"type": "funding.xusd_shortfall",
+                                      "shortfall_xusd": _hint_amount(cost - available)}])
+
+        # Checked after the limits, whose refusals come first in the contract's order: only a
+        # hold this call would keep must fit the ledger's BIGINT.
+        if cost > _INT64_MAX:
+            return _error(422, "VALIDATION.INVALID_INPUT",
+                          f"the estimate's price is beyond what the ledger holds ({_INT64_MAX} xusd)",
+                          errors=[{"field": "estimated_quantity_minor", "code": "VALIDATION.INVALID_VALUE",
+                                   "message": "priced, this estimate exceeds 2^63-1 xusd"}])
 
         token = _lease_token()
         sha = token_digest(token)
@@ -518,7 +529,7 @@ class GateBook:
         planned = _price_lines(prices, lines, now, lambda meter, fingerprint: self.carry.get(
             (realm.id, lease.account, meter, fingerprint), 0))
         if planned is None:
-            return _error(422, "VALIDATION.INVALID_VALUE",
+            return _error(422, "VALIDATION.INVALID_INPUT",
                           f"the commit's amount is beyond what the ledger holds ({_INT64_MAX} xusd)",
                           errors=[{"field": "quantity_minor", "code": "VALIDATION.INVALID_VALUE",
                                    "message": "priced, this quantity exceeds 2^63-1 xusd"}])

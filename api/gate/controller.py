@@ -35,6 +35,8 @@ __all__ = ["GateController", "authorize", "cancel", "commit"]
 
 _INT = re.compile(r"[0-9]+")
 _INT64_MAX = 2**63 - 1
+_INT64_DIGITS = len(str(_INT64_MAX))
+_FROM_BODY: Any = object()  # a field read from the body itself, not from a nested entry
 _sorted = msgspec.json.Encoder(order="sorted").encode
 _encode = msgspec.json.encode
 
@@ -49,8 +51,8 @@ class _Fields:
     def fault(self, field: str, code: str, message: str) -> None:
         self.errors.append({"field": field, "code": code, "message": message})
 
-    def code(self, name: str, value: Any = None, *, field: str | None = None) -> str | None:
-        value = self.body.get(name) if value is None else value
+    def code(self, name: str, value: Any = _FROM_BODY, *, field: str | None = None) -> str | None:
+        value = self.body.get(name) if value is _FROM_BODY else value
         field = field or name
         if value is None:
             self.fault(field, "VALIDATION.REQUIRED", f"{name} is required")
@@ -61,20 +63,26 @@ class _Fields:
             return None
         return value
 
-    def quantity(self, name: str, value: Any = None, *, field: str | None = None) -> int | None:
-        value = self.body.get(name) if value is None else value
+    def quantity(self, name: str, value: Any = _FROM_BODY, *, field: str | None = None) -> int | None:
+        value = self.body.get(name) if value is _FROM_BODY else value
         field = field or name
         if value is None:
             self.fault(field, "VALIDATION.REQUIRED", f"{name} is required")
             return None
-        if not isinstance(value, str) or not _INT.fullmatch(value) or int(value) > _INT64_MAX:
+        # Leading zeros do not count; more digits than 2^63-1 has is out of range before int()
+        # (which refuses strings of over 4,300 digits with a ValueError).
+        digits = value.lstrip("0") if isinstance(value, str) else ""
+        if (not isinstance(value, str) or not _INT.fullmatch(value) or len(digits) > _INT64_DIGITS
+                or int(digits or "0") > _INT64_MAX):
             self.fault(field, "VALIDATION.INVALID_QUANTITY",
                        f"{name} must be a string holding a non-negative integer within signed 64-bit, e.g. \"1500\"")
             return None
-        return int(value)
+        return int(digits or "0")
 
     def token(self) -> str | None:
-        value = self.body.get("lease_token", self.body.get("lease"))
+        value = self.body.get("lease_token")
+        if value is None:  # absent or null: the alias of later clients
+            value = self.body.get("lease")
         if value is None:
             self.fault("lease_token", "VALIDATION.REQUIRED", "lease_token is required")
             return None
@@ -246,7 +254,7 @@ async def _commit(call: _Call) -> GateOutcome:
                 if not isinstance(entry, dict):
                     f.fault(f"meters[{i}]", "VALIDATION.INVALID_TYPE", "a meter entry must be an object")
                     continue
-                code = f.code("meter_code", entry.get("meter_code", ""), field=f"meters[{i}].meter_code")
+                code = f.code("meter_code", entry.get("meter_code"), field=f"meters[{i}].meter_code")
                 qty = f.quantity("quantity_minor", entry.get("quantity_minor"), field=f"meters[{i}].quantity_minor")
                 if code is not None and qty is not None:
                     meters.append(MeterLine(code, qty))
