@@ -6,6 +6,8 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from pathlib import Path
 
+import msgspec
+
 from warehouse.journal import Journal, JournaledStore
 from warehouse.operational import open_operational
 
@@ -216,3 +218,15 @@ def test_the_store_moves_to_prefilled_segments_and_deletes_those_it_filled(tmp_p
     store.close()
     assert list((tmp_path / "journal").iterdir()) == []
     conn.close()
+
+
+def test_a_reply_the_wire_cannot_carry_answers_its_own_request_with_a_500() -> None:
+    # msgpack holds no integer beyond 64 bits: encoding such an outcome used to end the
+    # writer loop, and every later request of the service got 503.
+    from warehouse.writer import _LEN, _reply_frame
+
+    fine = _reply_frame((1, True, {"amount": 2 ** 63 - 1}))
+    assert msgspec.msgpack.decode(fine[_LEN.size:]) == [1, True, {"amount": 2 ** 63 - 1}]
+    frame = _reply_frame((2, True, {"amount": 2 ** 70}))
+    rid, ok, failure = msgspec.msgpack.decode(frame[_LEN.size:])
+    assert (rid, ok, failure["status"], failure["code"]) == (2, False, 500, "INTERNAL.ERROR")

@@ -124,6 +124,16 @@ def _frame(payload: bytes) -> bytes:
     return _LEN.pack(len(payload)) + payload
 
 
+def _reply_frame(reply: tuple[int, bool, Any]) -> bytes:
+    """One reply's frame. An outcome the wire cannot carry (an integer beyond 64 bits, say)
+    answers its own request with a 500; it must not end the writer, and every other
+    request of the group keeps its answer."""
+    try:
+        return _frame(_encode(reply))
+    except Exception as exc:
+        return _frame(_encode((reply[0], False, _failure(exc))))
+
+
 def run_writer(
     store: JournaledStore,
     sock: socket.socket,
@@ -161,7 +171,7 @@ def run_writer(
             if requests:
                 replies = _run_group(store, requests, handlers, on_rollback, clock())
                 sock.setblocking(True)
-                sock.sendall(b"".join(_frame(_encode(r)) for r in replies))
+                sock.sendall(b"".join(_reply_frame(r) for r in replies))
                 sock.setblocking(False)
                 if after_group is not None:
                     # Work that follows a durable group and must never change its replies
