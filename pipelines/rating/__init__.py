@@ -18,6 +18,8 @@ Document
   (`payload_int`/`label_int` are refused there; `const`, `mul`, `div` combine aggregates).
 
 Values
+- Strings (literals, paths, label keys, event types, params) must be valid Unicode: a lone
+  surrogate, which JSON text can escape, is refused.
 - Literals are strings, finite numbers (integers within signed 64-bit) and booleans; JSON null
   is not a literal (use `not exists`). JSON null and a missing path are the same: absent.
 - `{payload: "a.b.0"}` splits on dots; an all-digit part (at most 9 digits) indexes an array and
@@ -54,7 +56,8 @@ Integer expressions (no float touches a quantity)
 Aggregate engine (groups: billing_account_id, event_type, UTC day of occurred_at)
 - `{agg: {op, of?, default?}}`: count without `of` counts matched events, with `of` the events
   where it is present; count_distinct counts distinct present scalars under eq's equality (1 and
-  1.0 are one value, "1" another; objects and arrays are skipped); sum, avg, min, max read each
+  1.0 are one value, "1" another; objects, arrays and numbers beyond the double range are
+  skipped); sum, avg, min, max read each
   `of` as `payload_int` does, skip non-numeric values, and give `default` (0 when omitted) when
   none is numeric; avg truncates toward zero. Only sum, avg, min and max take a default.
 - A group with no matching event yields no intents (no SQL rows).

@@ -224,10 +224,12 @@ def _integer(value: object) -> int | None:
     if isinstance(value, int):  # bool included: True is 1
         return _clamp(value)
     if isinstance(value, str) and (found := _INTEGER.fullmatch(value)):
-        digits = found[1].lstrip("+-").lstrip("0")
+        digits = found[1].lstrip("+-").lstrip("0") or "0"
+        negative = found[1].startswith("-")
         if len(digits) >= _SATURATING_DIGITS:
-            return INT64_MIN if found[1].startswith("-") else INT64_MAX
-        return _clamp(int(found[1]))
+            return INT64_MIN if negative else INT64_MAX
+        # The digits without leading zeros: int() refuses text of more than 4300 digits.
+        return _clamp(-int(digits) if negative else int(digits))
     number = _number(value)
     return None if number is None else _clamp(int(number))
 
@@ -287,9 +289,11 @@ def _read_group(leaf: EventLeaf, events: list[EventFacts], params: Mapping[str, 
 
 
 def _distinct_key(value: object) -> tuple[str, object] | None:
-    # Scalars only, under the same equality as eq: 1 and 1.0 are one value, "1" another.
+    # Scalars only, under the same equality as eq: 1 and 1.0 are one value, "1" another; a
+    # number beyond the double range equals nothing under eq, so it is skipped, as in SQL.
     if _is_number(value):
-        return "n", _double(value)
+        number = _double(value)
+        return None if number is None else ("n", number)
     if isinstance(value, bool | str):
         return type(value).__name__, value
     return None

@@ -95,12 +95,23 @@ def _choices(options: tuple[str, ...]) -> str:
     return ", ".join(options)
 
 
+def _unicode(text: str) -> bool:
+    # JSON text may escape a lone surrogate, which no UTF-8 consumer (DuckDB's SQL) accepts.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class _Parser:
     def __init__(self) -> None:
         self.errors: list[DslError] = []
         self.engine: Engine | None = None
         # None while $.params is unusable, so {param} references are not flagged a second time.
         self.params: dict[str, Scalar] | None = {}
+        # Declared params whose value was refused: their references are not flagged again.
+        self.refused_params: set[object] = set()
 
     def fault(self, path: str, message: str) -> None:
         self.errors.append(DslError(path, message))
@@ -149,6 +160,7 @@ class _Parser:
             self.fault("$.params", "must be an object of name to literal")
             return None
         values = {name: self.literal(value, _key("$.params", name)) for name, value in node.items()}
+        self.refused_params = {name for name, literal in values.items() if literal is None}
         return {name: literal.value for name, literal in values.items() if literal is not None}
 
     def match(self, node: object) -> Match | None:
@@ -160,6 +172,8 @@ class _Parser:
         event_type = node.get("event_type")
         if "event_type" in node and not (isinstance(event_type, str) and event_type):
             self.fault(f"{path}.event_type", "must be a non-empty string")
+        elif isinstance(event_type, str) and not self.text(event_type, f"{path}.event_type"):
+            event_type = None
         where = self.predicate(node["where"], f"{path}.where", 1) if "where" in node else None
         if not isinstance(event_type, str) or ("where" in node and where is None):
             return None
@@ -319,6 +333,8 @@ class _Parser:
             if not isinstance(arg, str):
                 self.fault(at, "must be a param name")
                 return None
+            if arg in self.refused_params:
+                return None  # its value is already reported at $.params
             if self.params is not None and arg not in self.params:
                 self.fault(at, f"param {arg!r} is not defined in $.params")
                 return None
@@ -326,8 +342,16 @@ class _Parser:
         self.fault(at, "unknown value form; expected payload, label, event or param")
         return None
 
+    def text(self, node: str, path: str) -> bool:
+        if _unicode(node):
+            return True
+        self.fault(path, "must be valid Unicode text (a lone surrogate cannot be stored)")
+        return False
+
     def literal(self, node: object, path: str) -> LiteralValue | None:
-        if isinstance(node, bool | str):
+        if isinstance(node, str):
+            return LiteralValue(node) if self.text(node, path) else None
+        if isinstance(node, bool):
             return LiteralValue(node)
         if isinstance(node, int):
             if INT64_MIN <= node <= INT64_MAX:
@@ -345,6 +369,8 @@ class _Parser:
     def dot_path(self, arg: object, path: str) -> tuple[str | int, ...] | None:
         if not (isinstance(arg, str) and arg):
             self.fault(path, "must be a non-empty dot path")
+            return None
+        if not self.text(arg, path):
             return None
         parts: list[str | int] = []
         for part in arg.split("."):
@@ -365,7 +391,7 @@ class _Parser:
     def label_key(self, arg: object, path: str) -> str | None:
         # A lone '*' would read as a JSONPath wildcard in DuckDB.
         if isinstance(arg, str) and arg and arg != "*":
-            return arg
+            return arg if self.text(arg, path) else None
         self.fault(path, "must be a non-empty label key other than '*'")
         return None
 
@@ -450,7 +476,10 @@ class _Parser:
         if isinstance(node, int) and not isinstance(node, bool):
             value = node
         elif allow_text and isinstance(node, str) and _INTEGER_TEXT.fullmatch(node):
-            value = int(node)
+            # int() refuses text of more than 4300 digits; past 19 it is out of range anyway.
+            digits = node.lstrip("+-").lstrip("0") or "0"
+            if len(digits) <= 19:
+                value = -int(digits) if node.startswith("-") else int(digits)
         if value is not None and INT64_MIN <= value <= INT64_MAX:
             return value
         kind = "an integer or an integer string" if allow_text else "an integer"
@@ -462,7 +491,7 @@ def _load(doc: Mapping[str, object] | str) -> tuple[PolicyDoc | None, list[DslEr
     if isinstance(doc, str):
         try:
             doc = json.loads(doc)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
             return None, [DslError("$", f"not valid JSON: {exc}")]
     parser = _Parser()
     policy = parser.policy(doc)
