@@ -225,3 +225,17 @@ def test_the_sweep_reads_payload_keys_with_their_case(duck: duckdb.DuckDBPyConne
                        None if intents is None else intents[0].meters[0][1]))
     assert got == wanted
     assert [quantity for _, _, quantity in got] == [5, None, None, 9]
+
+
+def test_a_meter_named_twice_in_one_intent_is_refused_at_the_second() -> None:
+    # The single engine wrote two lines for it; the aggregate engine's day summed them into one.
+    doc = {"dsl_version": "v1", "engine": "single", "match": {"event_type": "t.a"},
+           "emit": {"intents": [{"feature_code": "f", "meters": [
+               {"meter_code": "m", "quantity_minor": {"const": 1}},
+               {"meter_code": "n", "quantity_minor": {"const": 1}},
+               {"meter_code": "m", "quantity_minor": {"const": 2}}]}]}}
+    faults = validate_policy(doc)
+    assert [(f.path, f.message) for f in faults] == [
+        ("$.emit.intents[0].meters[2].meter_code", "meter 'm' appears twice in this intent")]
+    doc["emit"]["intents"][0]["meters"].pop()  # type: ignore[index]
+    assert validate_policy(doc) == []

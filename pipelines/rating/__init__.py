@@ -11,7 +11,8 @@ Document
 - `engine` is required. `params` maps names to literals (string, finite number, boolean); a
   `{param}` must be declared there, and params passed at rating time may only override declared
   names, with literals. Nesting deeper than 32 predicates or integer expressions is refused.
-- `emit.intents` and each intent's `meters` are non-empty lists. Intent `labels` are static
+- `emit.intents` and each intent's `meters` are non-empty lists; a meter appears at most once
+  in an intent. Intent `labels` are static
   string-to-string objects, copied onto each intent. Codes match
   `^[a-z0-9][a-z0-9._/@:-]{0,126}[a-z0-9]$|^[a-z0-9]$`.
 - The single engine refuses `agg`; the aggregate engine reads events only through `agg`

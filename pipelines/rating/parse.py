@@ -225,7 +225,18 @@ class _Parser:
         if not (isinstance(node, list) and node):
             self.fault(path, "must be a non-empty list")
             return None
-        return _present([self.meter(item, f"{path}[{i}]") for i, item in enumerate(node)])
+        meters = _present([self.meter(item, f"{path}[{i}]") for i, item in enumerate(node)])
+        # One line per meter of an intent: the single engine would write two lines for a meter
+        # named twice, where the aggregate engine's day sums them into one.
+        seen: set[str] = set()
+        for i, item in enumerate(node):
+            code = item.get("meter_code") if isinstance(item, dict) else None
+            if isinstance(code, str) and code in seen:
+                self.fault(f"{path}[{i}].meter_code", f"meter {code!r} appears twice in this intent")
+                meters = None
+            elif isinstance(code, str):
+                seen.add(code)
+        return meters
 
     def meter(self, node: object, path: str) -> Meter | None:
         if not isinstance(node, dict):
