@@ -8,9 +8,13 @@ and creates a demo service key when the data folder has none, and prints how to 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import re
+import shlex
+import shutil
+import socket
 import sys
 import urllib.error
 import urllib.request
@@ -18,7 +22,7 @@ from importlib import resources
 from pathlib import Path
 
 from api import sql_command
-from api.config import Settings
+from api.config import ConfigError, Settings, parse_port
 from pipelines.catalog import ID_PATTERN, CatalogInvalid, load_catalog
 from warehouse.catalog_store import CatalogStore
 from warehouse.keys import KeyNotFound, ServiceKeyStore
@@ -41,18 +45,21 @@ def apply_catalog(settings: Settings, text: str) -> tuple[bool, str]:
     except CatalogInvalid as exc:
         return False, "\n".join(f"  {f}" for f in exc.faults)
     store = CatalogStore(settings.catalog_dir)
-    faults = _grant_changes(_applied_documents(store), catalog)
-    if faults:
-        return False, "\n".join(f"  {f}" for f in faults)
-    from warehouse.catalog_history import record_catalog  # DuckDB loads only when applying
+    # One apply at a time: another one between our check of the grants and our switch could
+    # bring a grant id back changed, or leave the lake and the service on different catalogs.
+    with store.locked():
+        faults = _grant_changes(_applied_documents(store), catalog)
+        if faults:
+            return False, "\n".join(f"  {f}" for f in faults)
+        from warehouse.catalog_history import record_catalog  # DuckDB loads only when applying
 
-    # The lake first: the flows rate under the catalog the lake records last, so a catalog
-    # the lake could not record is not applied at all (the service keeps the one before).
-    try:
-        record_catalog(settings.data_dir, catalog)
-    except Exception as exc:  # noqa: BLE001 (any failure: nothing is applied, say why)
-        return False, f"  the lake could not record the catalog, so it was not applied: {exc}"
-    store.apply(text, catalog.fingerprint)
+        # The lake first: the flows rate under the catalog the lake records last, so a catalog
+        # the lake could not record is not applied at all (the service keeps the one before).
+        try:
+            record_catalog(settings.data_dir, catalog)
+        except Exception as exc:  # noqa: BLE001 (any failure: nothing is applied, say why)
+            return False, f"  the lake could not record the catalog, so it was not applied: {exc}"
+        store.apply(text, catalog.fingerprint)
     realms = ", ".join(sorted(catalog.realms)) or "(none)"
     return True, f"catalog {catalog.fingerprint} applied (realms: {realms})"
 
@@ -117,14 +124,32 @@ def _bootstrap(settings: Settings) -> None:
         print(json.dumps({"key_id": key.key_id, "secret": key.secret}))
 
 
+def _base_url(settings: Settings) -> str:
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host  # IPv6
+    return f"http://{host}:{settings.port}"
+
+
+def _cli_command() -> str:
+    """This command as a shell can run it from any folder: `tollgate` when that is the one on
+    PATH, else its full path (the venv need not be active)."""
+    script = Path(sys.executable).parent / "tollgate"
+    if not script.exists():
+        return f"{shlex.quote(sys.executable)} -m api.cli"
+    found = shutil.which("tollgate")
+    if found and Path(found).resolve() == script.resolve():
+        return "tollgate"
+    return shlex.quote(str(script))
+
+
 def _banner(settings: Settings) -> None:
-    base = f"http://{settings.host}:{settings.port}"
-    data_flag = f" --data-dir {settings.data_dir}"
+    base = _base_url(settings)
+    host_flag = f" --host {shlex.quote(settings.host)}" if settings.host != "127.0.0.1" else ""
+    data_flag = f" --data-dir {shlex.quote(str(settings.data_dir))}"
     print(f"""tollgate serving on {base}  (data: {settings.data_dir})
   health:   curl {base}/healthz
   OpenAPI:  {base}/schema
   try it (signs with the stored demo key):
-    tollgate call POST /mgt/v1/events --account acct_prepaid --port {settings.port}{data_flag} \\
+    {_cli_command()} call POST /mgt/v1/events --account acct_prepaid{host_flag} --port {settings.port}{data_flag} \\
       --data '{{"semantic_kind":"activity","event_type":"llm.completion","occurred_at":"2026-11-01T12:00:00Z","payload":{{"usage":{{"input_tokens":1200,"output_tokens":300}}}}}}'
 """, flush=True)
 
@@ -146,17 +171,61 @@ def _held_by_another_process(path: Path) -> str | None:
     return None
 
 
+def _lock_data_dir(data_dir: Path) -> int | None:
+    """An exclusive lock on a file in the data folder, held for the life of this process (the
+    file descriptor stays open); None when another `tollgate serve` holds it. Taken before
+    anything is written, so two services started at once never both set the folder up."""
+    fd = os.open(data_dir / ".serve.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _listen(settings: Settings) -> socket.socket:
+    """The listening address, bound before anything is set up, so a port in use is said at
+    once (and the banner never names an address the service does not hold)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((settings.host, settings.port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from api.app import create_app
 
     settings = _settings(args)
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"tollgate: cannot create the data folder {settings.data_dir}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 2
+    if not os.access(settings.data_dir, os.W_OK | os.X_OK):
+        print(f"tollgate: the data folder {settings.data_dir} is not writable", file=sys.stderr)
+        return 2
+    if _lock_data_dir(settings.data_dir) is None:
+        print(f"tollgate: the data folder {settings.data_dir} is in use by another `tollgate serve`;"
+              " one service per data folder", file=sys.stderr)
+        return 2
     held = _held_by_another_process(settings.operational_path)
     if held:
         print(f"tollgate: the data folder {settings.data_dir} is in use by another process ({held});"
               " one service per data folder", file=sys.stderr)
+        return 2
+    try:
+        sock = _listen(settings)
+    except OSError as exc:
+        print(f"tollgate: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}",
+              file=sys.stderr)
         return 2
     _bootstrap(settings)
     app = create_app(settings)
@@ -167,7 +236,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             http=http_protocol(), lifespan="on", log_level="warning",
                             access_log=False, timeout_keep_alive=30, proxy_headers=False)
     try:
-        uvicorn.Server(config).run()
+        uvicorn.Server(config).run(sockets=[sock])
     except KeyboardInterrupt:
         # uvicorn re-raises Ctrl-C once it has shut down gracefully: nothing more to report.
         return 130
@@ -234,18 +303,26 @@ def cmd_call(args: argparse.Namespace) -> int:
     from api.auth import sign_headers
 
     settings = _settings(args)
+    if not args.path.startswith("/"):
+        print(f"tollgate: the path must start with '/' (e.g. /mgt/v1/events), not {args.path!r}",
+              file=sys.stderr)
+        return 2
     keys = [k for k in ServiceKeyStore(settings.keys_path).load().values() if not k.disabled]
     if args.key_id:
         keys = [k for k in keys if k.key_id == args.key_id]
+    elif args.realm:
+        keys = [k for k in keys if k.realm == args.realm]  # a key of another realm is refused
     if not keys:
-        print("tollgate: no enabled service key in the data folder", file=sys.stderr)
+        which = f" {args.key_id!r}" if args.key_id else f" of realm {args.realm!r}" if args.realm else ""
+        print(f"tollgate: no enabled service key{which} in the data folder {settings.data_dir}",
+              file=sys.stderr)
         return 1
     key = keys[0]
     body = (args.data or "").encode()
     headers = sign_headers(key_id=key.key_id, secret=key.secret, method=args.method, path=args.path,
                            body=body, realm=args.realm or key.realm, principal_id=args.principal,
                            billing_account_id=args.account, idempotency_key=args.idempotency_key)
-    request = urllib.request.Request(f"http://{settings.host}:{settings.port}{args.path}",
+    request = urllib.request.Request(f"{_base_url(settings)}{args.path}",
                                      data=body if body else None, method=args.method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
@@ -254,7 +331,7 @@ def cmd_call(args: argparse.Namespace) -> int:
         status, text = exc.code, exc.read().decode()
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
-        print(f"tollgate: cannot reach http://{settings.host}:{settings.port} ({reason});"
+        print(f"tollgate: cannot reach {_base_url(settings)} ({reason});"
               " is `tollgate serve` running there?", file=sys.stderr)
         return 2
     print(f"HTTP {status}")
@@ -263,6 +340,13 @@ def cmd_call(args: argparse.Namespace) -> int:
     except ValueError:
         print(text)
     return 0 if status < 400 else 1
+
+
+def _port_arg(text: str) -> int:
+    try:
+        return parse_port(text)
+    except ConfigError:
+        raise argparse.ArgumentTypeError(f"not a port number from 1 to 65535: {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -275,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def with_address(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         p.add_argument("--host", help="bind address (TOLLGATE_HOST; default 127.0.0.1)")
-        p.add_argument("--port", type=int, help="port (TOLLGATE_PORT; default 8040)")
+        p.add_argument("--port", type=_port_arg, help="port (TOLLGATE_PORT; default 8040)")
         return p
 
     serve = with_address(with_data_dir(sub.add_parser("serve", help="run the service")))
@@ -299,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     catalog.set_defaults(func=cmd_catalog)
 
     call = with_address(with_data_dir(sub.add_parser("call", help="send one signed request")))
-    call.add_argument("method")
+    call.add_argument("method", type=str.upper)
     call.add_argument("path")
     call.add_argument("--data", help="JSON body")
     call.add_argument("--account", help="X-Billing-Account-Id")
@@ -322,6 +406,12 @@ def main(argv: list[str] | None = None) -> int:
         # The reader of our output went away (`tollgate sql ... | head`): not an error here.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except ConfigError as exc:  # a setting from the environment (flags are checked by argparse)
+        print(f"tollgate: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the data folder cannot be read or written: say so in one line
+        print(f"tollgate: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

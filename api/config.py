@@ -6,7 +6,33 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Settings"]
+__all__ = ["ConfigError", "Settings", "parse_port"]
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; the message names it and says what it must be."""
+
+
+def parse_port(text: str | int, name: str = "the port") -> int:
+    """A TCP port, 1-65535 (0 would bind a random port, larger ones wrap around)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"{name} must be a port number from 1 to 65535, not {str(text)!r}")
+    return port
+
+
+def _positive_int(name: str, default: int) -> int:
+    text = os.environ.get(name) or str(default)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ConfigError(f"{name} must be a positive whole number, not {text!r}")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,11 +49,15 @@ class Settings:
     def from_env(data_dir: str | None = None, host: str | None = None,
                  port: int | None = None) -> Settings:
         env = os.environ
+        folder = Path(data_dir or env.get("TOLLGATE_DATA_DIR") or "var").resolve()
+        if folder.exists() and not folder.is_dir():
+            raise ConfigError(f"the data folder {folder} is not a folder")
         return Settings(
-            data_dir=Path(data_dir or env.get("TOLLGATE_DATA_DIR") or "var").resolve(),
+            data_dir=folder,
             host=host or env.get("TOLLGATE_HOST") or "127.0.0.1",
-            port=int(port or env.get("TOLLGATE_PORT") or 8040),
-            signature_skew_seconds=int(env.get("TOLLGATE_SIGNATURE_SKEW_SECONDS") or 300),
+            port=parse_port(port) if port is not None else
+            parse_port(env.get("TOLLGATE_PORT") or 8040, "TOLLGATE_PORT"),
+            signature_skew_seconds=_positive_int("TOLLGATE_SIGNATURE_SKEW_SECONDS", 300),
         )
 
     @property

@@ -7,7 +7,10 @@ document is also kept under `history/` with its time and fingerprint.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -31,6 +34,18 @@ class CatalogStore:
             return self.current.read_text(encoding="utf-8")
         except FileNotFoundError:
             return None
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """An exclusive lock on a file beside the catalog, held by one apply from its check
+        against the history to its switch, so two applies at once run one after the other."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.folder / ".apply.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     def apply(self, text: str, fingerprint: str) -> Path:
         history = self.folder / "history"
