@@ -191,3 +191,10 @@ def test_two_services_started_at_once_on_a_fresh_folder(tmp_path: Path) -> None:
     finally:
         for p in procs:
             stop(p)
+
+
+def test_a_key_file_that_is_not_keys_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "keys.json").write_text("{not json")
+    for args in (["keys", "list"], ["keys", "create", "--realm", "acme"], ["call", "GET", "/healthz"]):
+        assert "not readable as keys" in one_clear_line(cli(*args, "--data-dir", str(tmp_path))), args
+    assert (tmp_path / "keys.json").read_text() == "{not json"  # nothing written over it

@@ -59,4 +59,9 @@ class CatalogStore:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, self.current)
+        fd = os.open(self.folder, os.O_RDONLY)  # the rename itself survives a power loss
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         return kept

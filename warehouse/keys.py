@@ -63,7 +63,10 @@ class ServiceKeyStore:
             raw = self.path.read_bytes()
         except FileNotFoundError:
             return {}
-        records = msgspec.json.decode(raw, type=dict[str, _KeyRecord])
+        try:
+            records = msgspec.json.decode(raw, type=dict[str, _KeyRecord])
+        except msgspec.DecodeError as exc:  # an OSError, so the CLI says it in one line
+            raise OSError(f"the key file {self.path} is not readable as keys: {exc}") from exc
         return {
             kid: ServiceKey(kid, r.realm, r.secret, r.disabled, r.created_at)
             for kid, r in records.items()
@@ -83,6 +86,7 @@ class ServiceKeyStore:
             os.close(fd)
         os.chmod(tmp, 0o600)
         os.replace(tmp, self.path)
+        _sync_folder(self.path.parent)  # the rename itself survives a power loss
 
     @contextlib.contextmanager
     def _changing(self) -> Iterator[dict[str, ServiceKey]]:
@@ -121,3 +125,11 @@ class ServiceKeyStore:
             old = keys[key_id]
             keys[key_id] = ServiceKey(old.key_id, old.realm, old.secret, disabled, old.created_at)
             return keys[key_id]
+
+
+def _sync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
