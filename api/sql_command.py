@@ -107,8 +107,9 @@ def _refused_statements() -> frozenset[Any]:
 
 
 
-def _run(conn: Any, query: str, fmt: str, out: IO[str]) -> bool:
-    """Run one query and print its result; False (with the error on stderr) when it fails."""
+def _run(conn: Any, query: str, fmt: str, out: IO[str], *, blank_ok: bool = False) -> bool:
+    """Run one query and print its result; False (with the error on stderr) when it fails.
+    A query with no statement (blank, or only comments) fails unless `blank_ok`."""
     import duckdb
 
     from warehouse.lake import with_lake_retry
@@ -119,7 +120,12 @@ def _run(conn: Any, query: str, fmt: str, out: IO[str]) -> bool:
 
     try:
         kinds = _refused_statements()
-        refused = [st.type.name for st in conn.extract_statements(query) if st.type in kinds]
+        statements = conn.extract_statements(query)
+        if not statements:  # blank, or only comments: DuckDB returns no result at all
+            if not blank_ok:
+                print("tollgate sql: no statement to run", file=sys.stderr)
+            return blank_ok
+        refused = [st.type.name for st in statements if st.type in kinds]
         if refused:
             print(f"tollgate sql: the lake is read-only here; {', '.join(refused)} is refused",
                   file=sys.stderr)
@@ -191,6 +197,8 @@ def _text(value: Any) -> str:
         return _json.encode(_json_value(value, False)).decode()
     if isinstance(value, (bytes, bytearray, memoryview)):
         return base64.b64encode(bytes(value)).decode()
+    if isinstance(value, Decimal):
+        return format(value, "f")  # every digit, never an exponent (str gives 1E-7, 0E-10)
     return str(value)
 
 
@@ -248,11 +256,11 @@ def _repl(conn: Any, fmt: str) -> int:
         if statement.endswith(";"):
             buffer.clear()
             if statement.strip("; \n"):
-                failed |= not _run(conn, statement, fmt, sys.stdout)
+                failed |= not _run(conn, statement, fmt, sys.stdout, blank_ok=True)
                 sys.stdout.flush()
     rest = "\n".join(buffer).strip()
     if rest:
-        failed |= not _run(conn, rest, fmt, sys.stdout)
+        failed |= not _run(conn, rest, fmt, sys.stdout, blank_ok=True)
     # Read from a pipe (a script), any failed statement fails the command; typed at a
     # terminal, the session goes on after an error and ends well.
     return 1 if failed and not interactive else 0

@@ -12,12 +12,18 @@ runs them):
    older than the retention too (a long query may still be reading them);
 5. `ducklake_delete_orphaned_files`: files no snapshot ever referenced (a writer that died
    before its commit) are deleted, when older than a day, so a commit in flight is safe.
+
+With the SQLite catalog, DuckLake compares an `older_than` instant with the catalog's stored
+times as text, so any instant of a UTC day stands for the end of that day: `older_than => now()
+- INTERVAL 1 HOUR` expires every snapshot of the day, an hour old or a second. So steps 3 and
+4 are given the end of the day before the cutoff (exact, whatever the catalog), and the
+snapshots of the cutoff's own day that are older than the cutoff are expired by id.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 import duckdb
 
@@ -39,19 +45,47 @@ def _interval(age: timedelta) -> str:
     return f"INTERVAL {int(age.total_seconds())} SECOND"
 
 
+def _instant(moment: datetime) -> str:
+    return f"TIMESTAMPTZ '{moment.astimezone(timezone.utc).isoformat()}'"
+
+
+def _before_day(moment: datetime) -> str:
+    """The last microsecond of the UTC day before `moment`'s: an `older_than` DuckLake applies
+    exactly even when it compares times as text (see above)."""
+    day = moment.astimezone(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
+    return _instant(day - timedelta(microseconds=1))
+
+
 def compact_lake(conn: duckdb.DuckDBPyConnection, *, retention: timedelta,
                  alias: str = "lake") -> CompactionReport:
     """Compact the lake attached to `conn` as `alias`, keeping `retention` of history."""
 
     def call(sql: str) -> list[tuple[object, ...]]:
-        return with_lake_retry(lambda: conn.execute(sql).fetchall())
+        def step() -> list[tuple[object, ...]]:
+            try:
+                return conn.execute(sql).fetchall()
+            except duckdb.Error as exc:
+                # A step that meets another process's commit to the catalog can fail as
+                # "Current transaction is aborted": nothing of it is kept, so it runs again.
+                try:
+                    conn.execute("ROLLBACK")
+                except duckdb.Error:
+                    pass  # no transaction left open
+                if "transaction is aborted" in str(exc).lower():
+                    raise duckdb.TransactionException(f"conflict with another commit: {exc}") from exc
+                raise
+        return with_lake_retry(step)
 
     call(f"CALL ducklake_flush_inlined_data('{alias}')")
     merged = call(f"CALL ducklake_merge_adjacent_files('{alias}')")
-    expired = call(f"CALL ducklake_expire_snapshots('{alias}',"
-                   f" older_than => now() - {_interval(retention)})")
-    old = call(f"CALL ducklake_cleanup_old_files('{alias}',"
-               f" older_than => now() - {_interval(retention)})")
+    cutoff = datetime.now(timezone.utc) - retention
+    expired = call(f"CALL ducklake_expire_snapshots('{alias}', older_than => {_before_day(cutoff)})")
+    same_day = [snapshot for (snapshot,) in call(
+        f"SELECT snapshot_id FROM ducklake_snapshots('{alias}') WHERE snapshot_time < {_instant(cutoff)}"
+        f" AND snapshot_id < (SELECT max(snapshot_id) FROM ducklake_snapshots('{alias}')) ORDER BY 1")]
+    if same_day:
+        expired += call(f"CALL ducklake_expire_snapshots('{alias}', versions => {same_day})")
+    old = call(f"CALL ducklake_cleanup_old_files('{alias}', older_than => {_before_day(cutoff)})")
     orphans = call(f"CALL ducklake_delete_orphaned_files('{alias}',"
                    f" older_than => now() - {_interval(max(retention, _ORPHAN_AGE))})")
     merged_files = sum(int(row[2]) for row in merged if len(row) > 2 and row[2] is not None)
