@@ -18,7 +18,7 @@ from prefect.artifacts import create_table_artifact
 
 from flows.workspace import open_lake, resolve_data_dir
 from pipelines.usage_reports import REPORT_COLUMNS, build_usage_report
-from warehouse.lake import with_lake_retry
+from warehouse.lake import transaction, with_lake_retry
 
 __all__ = ["publish_usage_reports"]
 
@@ -40,8 +40,18 @@ def publish_usage_reports(data_dir: str | None = None) -> dict[str, Any]:
     try:
         report = build_usage_report(conn, run_id, published_at)
         conn.register("report_rows", report)
-        with_lake_retry(lambda: conn.execute(
-            f"INSERT INTO lake.usage_reports ({REPORT_COLUMNS}) SELECT {REPORT_COLUMNS} FROM report_rows"))
+        periods = pc.value_counts(report.column("period")).to_pylist() if report.num_rows else []
+        rows = {item["values"]: item["counts"] for item in periods}
+
+        def write() -> None:
+            # The rows and the publication's own row land together: an empty publication
+            # still says that it happened, so the latest report is always known.
+            with transaction(conn):
+                conn.execute(f"INSERT INTO lake.usage_reports ({REPORT_COLUMNS})"
+                             f" SELECT {REPORT_COLUMNS} FROM report_rows")
+                conn.execute("INSERT INTO lake.usage_report_runs VALUES (?, ?, ?, ?)",
+                             [run_id, published_at, rows.get("day", 0), rows.get("month", 0)])
+        with_lake_retry(write)
         conn.unregister("report_rows")
     finally:
         conn.close()

@@ -87,6 +87,8 @@ LAKE_TABLES: dict[str, str] = {
         period VARCHAR, period_start DATE, realm VARCHAR, billing_account_id VARCHAR,
         feature_code VARCHAR, meter_code VARCHAR, quantity_minor BIGINT, amount_xusd BIGINT,
         event_count BIGINT, line_count BIGINT, run_id VARCHAR, published_at TIMESTAMPTZ""",
+    # One row per publication, empty ones included: the latest report is found here.
+    "usage_report_runs": "run_id VARCHAR, published_at TIMESTAMPTZ, day_rows BIGINT, month_rows BIGINT",
     "catalog_versions": "fingerprint VARCHAR, applied_at TIMESTAMPTZ, source VARCHAR",
     "catalog_prices": """
         fingerprint VARCHAR, realm VARCHAR, meter_code VARCHAR, price_id VARCHAR,
