@@ -19,6 +19,7 @@ import base64
 import csv
 import datetime as dt
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -126,6 +127,10 @@ def _run(conn: Any, query: str, fmt: str, out: IO[str], *, blank_ok: bool = Fals
                 print("tollgate sql: no statement to run", file=sys.stderr)
             return blank_ok
         refused = [st.type.name for st in statements if st.type in kinds]
+        # DuckLake's maintenance procedures (merge, flush, expire, cleanup) fail on a read-only
+        # lake, but only after writing Parquet files that then lie orphaned in its folder.
+        refused += [f"CALL {found[0]}" for st in statements if st.type == duckdb.StatementType.CALL
+                    and (found := re.search(r"ducklake_\w+", st.query, re.IGNORECASE))]
         if refused:
             print(f"tollgate sql: the lake is read-only here; {', '.join(refused)} is refused",
                   file=sys.stderr)

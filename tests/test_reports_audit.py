@@ -435,3 +435,16 @@ def test_money_beyond_64_bits_nulls_unicode_and_times_print_exactly(lake_dir: Pa
     assert (empty.returncode, empty.stdout) == (0, "amount_xusd\n")
     refused = run_sql(lake_dir, "INSERT INTO usage_reports (period) VALUES ('day')", "csv")
     assert refused.returncode == 1 and "read-only" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_lake_maintenance_calls_are_refused_before_they_write(lake_dir: Path) -> None:
+    # On the read-only lake these fail only after writing Parquet files, left orphaned.
+    data = lake_dir / "lake" / "data"
+    before = sorted(p for p in data.rglob("*") if p.is_file())
+    for call in ("CALL ducklake_merge_adjacent_files('lake')", "call lake.ducklake_flush_inlined_data('lake')"):
+        refused = run_sql(lake_dir, call, "csv")
+        assert refused.returncode == 1 and "read-only" in refused.stderr, refused.stderr
+        assert "CALL ducklake_" in refused.stderr
+    assert sorted(p for p in data.rglob("*") if p.is_file()) == before
+    snapshots = run_sql(lake_dir, "SELECT count(*) > 0 AS any FROM ducklake_snapshots('lake')", "csv")
+    assert snapshots.stdout.splitlines() == ["any", "true"]  # reading them is fine
