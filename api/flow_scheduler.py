@@ -5,7 +5,8 @@ the whole system (sweeps every minute, aggregate days, reports, compaction). It 
 without waiting and imports nothing heavy before its first run, one interval later, so the
 HTTP service starts as fast as without it. It runs in a session of its own so that `stop`
 ends it together with the temporary Prefect server it may have started, and it ends itself
-when the service dies. TOLLGATE_SCHEDULES=off turns it off.
+when the service dies. A scheduler that dies while the service runs is logged and started
+again. TOLLGATE_SCHEDULES=off turns it off; `on` (the default) runs it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 from api.config import Settings
 
@@ -22,32 +24,78 @@ __all__ = ["FlowScheduler"]
 
 log = logging.getLogger("tollgate.runtime")
 
+_OFF = ("off", "0", "false", "no")
+_ON = ("on", "1", "true", "yes", "")
+# A scheduler that died is started again after this long (seconds).
+_RESTART_PAUSE = 5.0
+
 
 class FlowScheduler:
-    def __init__(self, proc: subprocess.Popen[bytes] | None) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes] | None,
+                 settings: Settings | None = None) -> None:
         self._proc = proc
+        self._settings = settings
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        if proc is not None:
+            threading.Thread(target=self._watch, name="flow-scheduler-watch", daemon=True).start()
 
     @classmethod
     def start(cls, settings: Settings) -> FlowScheduler:
-        if os.environ.get("TOLLGATE_SCHEDULES", "on").lower() in ("off", "0", "false", "no"):
+        value = os.environ.get("TOLLGATE_SCHEDULES", "on").strip().lower()
+        if value in _OFF:
+            log.info("TOLLGATE_SCHEDULES=%s: the flow schedules are off", value)
             return cls(None)
-        proc = subprocess.Popen(
+        if value not in _ON:
+            log.error("TOLLGATE_SCHEDULES=%r is neither on nor off; running the schedules",
+                      os.environ["TOLLGATE_SCHEDULES"])
+        return cls(cls._spawn(settings), settings)
+
+    @staticmethod
+    def _spawn(settings: Settings) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
             [sys.executable, "-m", "flows.scheduler", "--data-dir", str(settings.data_dir),
              "--parent-pid", str(os.getpid())],
             start_new_session=True,
         )
-        return cls(proc)
+
+    def _watch(self) -> None:
+        """Start the scheduler again when it dies while the service runs."""
+        while True:
+            with self._lock:
+                proc = self._proc
+            if proc is None:
+                return
+            code = proc.wait()
+            if self._stopping.wait(_RESTART_PAUSE):
+                return
+            with self._lock:
+                if self._stopping.is_set() or self._settings is None:
+                    return
+                log.error("the flow scheduler ended (exit code %s); starting it again", code)
+                try:
+                    # Whatever it left in its session (a temporary Prefect server) goes too.
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self._proc = self._spawn(self._settings)
 
     def stop(self, timeout: float = 10.0) -> None:
-        proc, self._proc = self._proc, None
+        self._stopping.set()
+        with self._lock:
+            proc, self._proc = self._proc, None
         if proc is None or proc.poll() is not None:
             return
         try:
-            os.killpg(proc.pid, signal.SIGTERM)
+            # The scheduler alone: it ends its flow run through the temporary Prefect API and
+            # then stops that server itself. Signalled with it, the server went first and the
+            # flow engine retried its API calls past `timeout`.
+            proc.send_signal(signal.SIGTERM)
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
             log.warning("the flow scheduler did not stop in %.0f s; killing it", timeout)
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left in its session
         except ProcessLookupError:
             pass
+        proc.wait()

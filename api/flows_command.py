@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import logging
 import sys
 from typing import Any
 
@@ -34,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     listing = flows_sub.add_parser("list", help="list the flows")
     listing.add_argument("--data-dir", help="data folder (TOLLGATE_DATA_DIR; default ./var); not read")
     run = flows_sub.add_parser("run", help="run one flow now")
-    run.add_argument("name", choices=FLOWS)
+    run.add_argument("name", metavar="NAME", help=", ".join(FLOWS))
     run.add_argument("--param", action="append", default=[], metavar="K=V",
                      help="a flow parameter; V is JSON when it parses, else a string")
     run.add_argument("--data-dir", help="data folder (TOLLGATE_DATA_DIR; default ./var)")
@@ -67,6 +68,9 @@ def cmd_flows(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"tollgate: {exc}", file=sys.stderr)
         return 2
+    if args.name not in FLOWS:
+        print(f"tollgate: no flow {args.name!r}; flows: {', '.join(FLOWS)}", file=sys.stderr)
+        return 2
     flow = flow_named(args.name)
     signature = inspect.signature(flow.fn).parameters
     accepted = [name for name in signature if name != "data_dir"]
@@ -96,10 +100,52 @@ def cmd_flows(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"tollgate: {args.name}: {exc}", file=sys.stderr)
         return 2
+    from prefect.exceptions import ParameterTypeError
+
+    quiet = logging.getLogger("prefect.flows")  # it logs the same mistake, at length
+    quiet.disabled = True
+    try:
+        flow.validate_parameters(params)
+    except ParameterTypeError as exc:
+        problems = "; ".join(line.strip(" -") for line in str(exc).splitlines()[1:] if line.strip())
+        print(f"tollgate: {args.name}: invalid parameters: {problems or exc}", file=sys.stderr)
+        return 2
+    finally:
+        quiet.disabled = False
     params["data_dir"] = str(settings.data_dir)
+    _console_without_tracebacks()
     state = flow(**params, return_state=True)
     if not state.is_completed():
         print(f"tollgate: flow {args.name} ended {state.name}: {state.message}", file=sys.stderr)
         return 1
     print(json.dumps(state.result(), indent=2, default=str))
     return 0
+
+
+class _NoTraceback(logging.Formatter):
+    """A console formatter that leaves out tracebacks: a failed run ends in one line of its
+    own, and the traceback still reaches the Prefect API's logs."""
+
+    def __init__(self, inner: logging.Formatter | None) -> None:
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        saved = record.exc_info, record.exc_text
+        record.exc_info, record.exc_text = None, None
+        try:
+            return self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text = saved
+
+
+def _console_without_tracebacks() -> None:
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    loggers = [logging.getLogger()] + [logging.getLogger(name) for name in
+                                       list(logging.Logger.manager.loggerDict)]
+    for logger in loggers:
+        for handler in getattr(logger, "handlers", []):
+            if (isinstance(handler, PrefectConsoleHandler)
+                    and not isinstance(handler.formatter, _NoTraceback)):
+                handler.setFormatter(_NoTraceback(handler.formatter))

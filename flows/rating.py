@@ -24,7 +24,7 @@ from flows.workspace import (
 from pipelines.aggregate_days import close_aggregate_days as close_days
 from pipelines.catalog import Catalog
 from pipelines.rating_plan import RatingPlan
-from pipelines.rating_runs import RunSummary
+from pipelines.rating_runs import RatingLock, RunSummary
 from pipelines.rerate import rerate as rerate_events
 from pipelines.sweep import CHUNK_EVENTS, sweep
 from warehouse.lake import connect_lake, with_lake_retry
@@ -35,6 +35,26 @@ __all__ = ["check_rerate_params", "close_aggregate_days", "rate_events", "rerate
 # A run that meets a lake busy with another writer (the service's exporter) starts over: runs
 # land whole or not at all, so a retry can never rate an event twice.
 _ATTEMPTS = 5
+
+
+class _SaidLock(RatingLock):
+    """The rating lock; a run that finds it held says so in its log, then waits for it."""
+
+    def __enter__(self) -> RatingLock:
+        if self.timeout is None:
+            self.timeout = 0
+            try:
+                return super().__enter__()
+            except TimeoutError:
+                get_run_logger().warning("another rating run holds %s; waiting for it to finish",
+                                         self.path)
+            finally:
+                self.timeout = None
+        return super().__enter__()
+
+
+def _lock(folder: Path) -> RatingLock:
+    return _SaidLock(rating_lock(folder).path)
 
 
 def _report(runs: list[RunSummary]) -> dict[str, Any]:
@@ -49,7 +69,7 @@ def rate_events(data_dir: str | None = None, chunk_events: int = CHUNK_EVENTS) -
     conn = open_lake(folder)
     try:
         plan = RatingPlan.from_catalog(applied_catalog(folder, conn))
-        runs = with_lake_retry(lambda: sweep(conn, plan, rating_lock(folder), chunk_events=chunk_events,
+        runs = with_lake_retry(lambda: sweep(conn, plan, _lock(folder), chunk_events=chunk_events,
                                              scratch=scratch_dir(folder)), attempts=_ATTEMPTS)
     finally:
         conn.close()
@@ -78,12 +98,12 @@ def rerate(occurred_from: str, occurred_to: str, accounts: list[str] | None = No
         # A retry re-rates the chunks an interrupted attempt had finished in a new run, which
         # reverses theirs: current values stay one per event.
         runs = with_lake_retry(lambda: rerate_events(
-            conn, plan, rating_lock(folder), occurred_from=start, occurred_to=end,
+            conn, plan, _lock(folder), occurred_from=start, occurred_to=end,
             accounts=accounts, policy_ids=policy_ids, chunk_events=chunk_events,
             progress=progress), attempts=_ATTEMPTS)
         progress.finish()
         after = with_lake_retry(lambda: close_days(
-            conn, plan, rating_lock(folder), lateness=_lateness(catalog),
+            conn, plan, _lock(folder), lateness=_lateness(catalog),
             scratch=scratch_dir(folder)), attempts=_ATTEMPTS)
     finally:
         conn.close()
@@ -167,7 +187,7 @@ def close_aggregate_days(data_dir: str | None = None, now: str | None = None) ->
         catalog = applied_catalog(folder, conn)
         plan = RatingPlan.from_catalog(catalog)
         runs = with_lake_retry(lambda: close_days(
-            conn, plan, rating_lock(folder), lateness=_lateness(catalog), now=moment,
+            conn, plan, _lock(folder), lateness=_lateness(catalog), now=moment,
             scratch=scratch_dir(folder)), attempts=_ATTEMPTS)
     finally:
         conn.close()

@@ -9,7 +9,11 @@ else to a temporary local one that Prefect starts on the first run.
 It dies with the service: on Linux the kernel sends it SIGTERM when its parent dies (and it
 ends at once if the parent died before it could ask for that), and
 SIGTERM ends it through `sys.exit`, so Prefect's exit hooks stop the temporary API server.
-A flow that fails is logged and tried again at its next time.
+During a flow run Prefect turns SIGTERM into an exception inside the flow (DuckDB reports it as
+an interrupted query): such a failure ends the schedules too, instead of being taken for a
+failed run. A flow that fails is logged and tried again at its next time.
+
+TOLLGATE_SCHEDULE_SECONDS changes intervals, e.g. `rate-events=30,compact-lake=43200`.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from types import FrameType
 
 from flows import flow_named
 
-__all__ = ["SCHEDULE", "main"]
+__all__ = ["SCHEDULE", "main", "run_schedule", "schedule_from_env"]
 
 log = logging.getLogger("tollgate.scheduler")
 
@@ -55,6 +59,40 @@ def _exit(signum: int, frame: FrameType | None) -> None:
     sys.exit(0)
 
 
+def schedule_from_env(text: str | None = None) -> tuple[tuple[str, float], ...]:
+    """SCHEDULE with the intervals of TOLLGATE_SCHEDULE_SECONDS (`NAME=SECONDS,...`); a
+    mistake is logged and that entry ignored."""
+    text = os.environ.get("TOLLGATE_SCHEDULE_SECONDS", "") if text is None else text
+    intervals = dict(SCHEDULE)
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = float("nan")
+        if name.strip() not in intervals or not 0 < seconds < float("inf"):
+            log.error("TOLLGATE_SCHEDULE_SECONDS: %r ignored (expected NAME=SECONDS with NAME"
+                      " one of %s)", item, ", ".join(intervals))
+            continue
+        intervals[name.strip()] = seconds
+    return tuple(intervals.items())
+
+
+def _stopped(exc: BaseException) -> bool:
+    """Whether a flow's failure is really this process being told to stop (Prefect raises
+    TerminationSignal from its SIGTERM handler; code under way may wrap it in its own error)."""
+    from prefect.exceptions import TerminationSignal
+
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, (TerminationSignal, KeyboardInterrupt, SystemExit)):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
 def run_schedule(data_dir: Path, schedule: Sequence[tuple[str, float]] = SCHEDULE) -> None:
     """Run the flows on their intervals until the process is told to stop."""
     start = time.monotonic()
@@ -65,7 +103,10 @@ def run_schedule(data_dir: Path, schedule: Sequence[tuple[str, float]] = SCHEDUL
         time.sleep(max(0.0, due[name] - time.monotonic()))
         try:
             flow_named(name)(data_dir=str(data_dir))
-        except Exception:
+        except Exception as exc:
+            if _stopped(exc):
+                log.info("flow %s stopped by a signal; its work is left to the next run", name)
+                sys.exit(0)
             log.exception("flow %s failed; next try in %.0f s", name, intervals[name])
         due[name] = max(due[name] + intervals[name], time.monotonic())
 
@@ -81,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
     for chatty in ("httpx", "httpcore"):  # a line per request to Prefect's API, every minute
         logging.getLogger(chatty).setLevel(logging.WARNING)
-    run_schedule(Path(args.data_dir).resolve())
+    run_schedule(Path(args.data_dir).resolve(), schedule_from_env())
     return 0
 
 

@@ -1,0 +1,207 @@
+"""The schedules `tollgate serve` runs and `tollgate flows run`, over the real pieces: a real
+`tollgate serve` subprocess with its scheduler child and a temporary Prefect API, the real
+lake, real signals."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Service, make_service, processes_of
+from tests.lake_events import LakeFeed, catalog_toml, event
+from tests.test_rating_flows import POLICIES, PRICES, lake_query
+from warehouse.lake import connect_lake
+
+pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+
+
+@pytest.fixture(autouse=True)
+def own_prefect_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test's Prefect runs (the scheduler's, a hand run's) on a Prefect home of its own."""
+    for name in [k for k in os.environ if k.startswith("PREFECT_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
+    monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+def backlog_service(tmp: Path, copies: int) -> Service:
+    """A service folder whose lake holds 1,000 events times `copies`, none rated yet."""
+    catalog = tmp / "catalog.toml"
+    catalog.write_text(catalog_toml(policies=POLICIES, prices=PRICES))
+    svc = make_service(tmp / "data", catalog)
+    feed = LakeFeed(svc.data_dir)
+    try:
+        feed.add(*[event(f"acct_{'ab'[i % 2]}", "llm.completion",
+                         f"2026-11-{1 + i % 28:02d}T10:00:00Z",
+                         {"usage": {"input_tokens": i, "output_tokens": 1}}) for i in range(1000)])
+    finally:
+        feed.close()
+    if copies > 1:
+        conn = connect_lake(svc.data_dir)
+        try:
+            conn.execute("INSERT INTO lake.events SELECT e.* REPLACE (uuid() AS event_id,"
+                         " e.seq + 1000 * g AS seq) FROM lake.events AS e,"
+                         " (SELECT range AS g FROM range(1, ?))", [copies])
+        finally:
+            conn.close()
+    return svc
+
+
+def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def log_of(svc: Service) -> str:
+    assert svc.log_path is not None
+    return svc.log_path.read_text(errors="replace")
+
+
+def sweep_rows(data_dir: Path) -> tuple[int, int]:
+    """(events rated by completed sweeps, rows of those ratings that repeat an event line)."""
+    [(events, repeated)] = lake_query(data_dir, (
+        "SELECT count(DISTINCT r.event_id), count(*) - count(DISTINCT (r.event_id, r.line_index))"
+        " FROM lake.ratings AS r JOIN lake.rating_runs AS b ON b.run_id = r.run_id"
+        " WHERE b.kind = 'sweep' AND b.status = 'completed'"))
+    return int(events), int(repeated)
+
+
+def test_a_killed_service_takes_its_scheduler_along_even_mid_sweep(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefect turns SIGTERM into an exception inside the flow; DuckDB reports it as an
+    interrupted query. The scheduler took that for a failed run and went on, an orphan that
+    rated every minute with no service, next to the one the next start launched."""
+    monkeypatch.setenv("TOLLGATE_SCHEDULES", "on")
+    monkeypatch.setenv("TOLLGATE_SCHEDULE_SECONDS", "rate-events=1")
+    svc = backlog_service(tmp_path, copies=800)
+    svc.start()
+    try:
+        wait_for(lambda: "Beginning flow run" in log_of(svc), 90, "the first sweep")
+        time.sleep(1.0)  # well inside the sweep's DuckDB query
+        svc.stop(signal.SIGKILL)
+        wait_for(lambda: not processes_of(svc.data_dir, "flows.scheduler"), 20,
+                 "the scheduler to end with its service")
+    finally:
+        for pid in processes_of(svc.data_dir, "flows.scheduler"):
+            os.killpg(pid, signal.SIGKILL)
+    assert "stopped by a signal" in log_of(svc)
+    # Nothing of the interrupted run is in the lake; the next start rates every event once.
+    assert sweep_rows(svc.data_dir) == (0, 0)
+    svc.start()
+    try:
+        wait_for(lambda: sweep_rows(svc.data_dir)[0] == 800_000, 120, "the sweep after restart")
+        assert sweep_rows(svc.data_dir) == (800_000, 0)
+    finally:
+        svc.stop()
+    assert not processes_of(svc.data_dir, "flows.scheduler")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_stopping_serve_mid_sweep_is_prompt_and_leaves_no_half_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sig: int) -> None:
+    """Stopping sent SIGTERM to the scheduler's whole session, the temporary Prefect API too;
+    the flow engine then retried its calls to that API until the scheduler was killed 10 s
+    later."""
+    monkeypatch.setenv("TOLLGATE_SCHEDULES", "on")
+    monkeypatch.setenv("TOLLGATE_SCHEDULE_SECONDS", "rate-events=1")
+    svc = backlog_service(tmp_path, copies=800)
+    svc.start()
+    try:
+        wait_for(lambda: "Beginning flow run" in log_of(svc), 90, "the first sweep")
+        time.sleep(1.0)
+        assert svc.proc is not None
+        began = time.monotonic()
+        svc.proc.send_signal(sig)
+        svc.proc.wait(30)
+        took = time.monotonic() - began
+    finally:
+        svc.stop(signal.SIGKILL)
+    assert "did not stop" not in log_of(svc)
+    assert took < 8, f"serve took {took:.1f} s to stop"
+    assert not processes_of(svc.data_dir, "flows.scheduler")
+    assert sweep_rows(svc.data_dir) == (0, 0)
+
+
+def test_a_scheduler_that_dies_is_started_again(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOLLGATE_SCHEDULES", "on")
+    svc = backlog_service(tmp_path, copies=1)
+    svc.start()
+    try:
+        [first] = processes_of(svc.data_dir, "flows.scheduler")
+        os.kill(first, signal.SIGKILL)  # e.g. the kernel's OOM killer
+        wait_for(lambda: bool(set(processes_of(svc.data_dir, "flows.scheduler")) - {first}), 20,
+                 "a new scheduler")
+        assert "the flow scheduler ended" in log_of(svc)
+    finally:
+        svc.stop()
+    assert not processes_of(svc.data_dir, "flows.scheduler")
+
+
+@pytest.mark.parametrize(("value", "runs", "said"), [
+    (" OFF ", False, None),  # was taken for on
+    ("of", True, "TOLLGATE_SCHEDULES='of' is neither on nor off")])  # was on, silently
+def test_tollgate_schedules_values(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str,
+                                   runs: bool, said: str | None) -> None:
+    monkeypatch.setenv("TOLLGATE_SCHEDULES", value)
+    svc = backlog_service(tmp_path, copies=1)
+    svc.start()
+    try:
+        assert bool(processes_of(svc.data_dir, "flows.scheduler")) == runs
+        if said:
+            assert said in log_of(svc)
+    finally:
+        svc.stop()
+
+
+def flows_run(data_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "api.cli", "flows", "run", *args,
+                           "--data-dir", str(data_dir)], capture_output=True, text=True,
+                          timeout=180)
+
+
+def test_flows_run_mistakes_are_one_line(tmp_path: Path) -> None:
+    svc = backlog_service(tmp_path, copies=1)
+    done = flows_run(svc.data_dir, "rate-event")
+    assert done.returncode == 2
+    assert done.stderr.startswith("tollgate: no flow 'rate-event'") and done.stderr.count("\n") == 1
+    done = flows_run(svc.data_dir, "rate-events", "--param", "chunk_events=abc")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and "chunk_events" in done.stderr, done.stderr
+    # A run that fails: its own line, and no traceback on the terminal.
+    done = flows_run(svc.data_dir, "close-aggregate-days", "--param", "now=yesterday")
+    assert done.returncode == 1
+    assert "tollgate: flow close-aggregate-days ended Failed" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_hand_sweep_waiting_for_another_says_so_and_rates_once(tmp_path: Path) -> None:
+    svc = backlog_service(tmp_path, copies=1)
+    lock = svc.data_dir / "lake" / "rating.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another sweep at work
+    err = tmp_path / "err"
+    with open(err, "w") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "api.cli", "flows", "run", "rate-events",
+                                 "--data-dir", str(svc.data_dir)], stdout=subprocess.PIPE,
+                                stderr=sink, text=True)
+    try:
+        wait_for(lambda: "another rating run holds" in err.read_text(), 90, "the waiting notice")
+        assert proc.poll() is None
+    finally:
+        os.close(fd)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and '"events": 1000' in out
+    assert sweep_rows(svc.data_dir) == (1000, 0)
