@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
+from warehouse.durable import sync_dir
+
 __all__ = ["CatalogStore"]
 
 
@@ -59,9 +61,5 @@ class CatalogStore:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, self.current)
-        fd = os.open(self.folder, os.O_RDONLY)  # the rename itself survives a power loss
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        sync_dir(self.folder)  # the rename itself survives a power loss
         return kept

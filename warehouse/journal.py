@@ -35,6 +35,8 @@ import duckdb
 import msgspec
 import pyarrow as pa
 
+from warehouse.durable import sync_dir
+
 __all__ = ["DirectStore", "Journal", "JournaledStore", "TableWriter", "register_table", "write_rows"]
 
 log = logging.getLogger("tollgate.writer")
@@ -95,7 +97,7 @@ class Journal:
         self._length = os.fstat(self._fd).st_size  # the file's length
         self._size = 0 if self.prefilled else self._length  # where the next group goes
         if created and not prefill:
-            _sync_dir(path.parent)  # the new name survives a power loss, not only a kill
+            sync_dir(path.parent)  # the new name survives a power loss, not only a kill
 
     def append(self, seq: int, tables: dict[str, list[tuple[Any, ...]]]) -> None:
         """Write one group and sync it; on failure its bytes are taken back (zeros where the
@@ -166,14 +168,6 @@ def _zero_fill(fd: int, size: int) -> None:
     at = 0
     while at < size:
         at += os.pwrite(fd, block[:min(len(block), size - at)], at)
-
-
-def _sync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 _BIGINT = (-(2 ** 63), 2 ** 63 - 1)
@@ -297,7 +291,7 @@ class JournaledStore:
             self._spare = None
             spare.path = path
             self._segments.append(spare)
-            _sync_dir(self._dir)
+            sync_dir(self._dir)
             journal = spare
         else:
             journal = Journal(path)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import msgspec
 
+from warehouse.durable import sync_dir
+
 __all__ = ["KeyNotFound", "ServiceKey", "ServiceKeyStore"]
 
 
@@ -86,7 +88,7 @@ class ServiceKeyStore:
             os.close(fd)
         os.chmod(tmp, 0o600)
         os.replace(tmp, self.path)
-        _sync_folder(self.path.parent)  # the rename itself survives a power loss
+        sync_dir(self.path.parent)  # the rename itself survives a power loss
 
     @contextlib.contextmanager
     def _changing(self) -> Iterator[dict[str, ServiceKey]]:
@@ -126,10 +128,3 @@ class ServiceKeyStore:
             keys[key_id] = ServiceKey(old.key_id, old.realm, old.secret, disabled, old.created_at)
             return keys[key_id]
 
-
-def _sync_folder(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
