@@ -34,20 +34,26 @@ from pathlib import Path
 from types import TracebackType
 
 import duckdb
+import pyarrow as pa
 
 from pipelines.rating_plan import LINE_CATALOG
 from warehouse.lake import transaction, with_lake_retry
 
 __all__ = [
     "BATCH_KINDS",
+    "KIND_COLUMNS",
+    "PRICED_KIND_COLUMNS",
     "RATING_COLUMNS",
     "STORED_COLUMNS",
     "RatingLock",
     "RunSummary",
     "current_ratings_sql",
     "new_run_id",
+    "rated_events_sql",
     "rating_id_sql",
+    "record_kinds",
     "reversal_rows_sql",
+    "write_lines_run",
     "write_run",
 ]
 
@@ -62,6 +68,12 @@ RATING_COLUMNS = (
 # What a run writes to lake.rating_rows: the view's columns and the row's line_id (NULL for
 # a row that spells out its description; see warehouse.lake).
 STORED_COLUMNS = RATING_COLUMNS + ", line_id"
+
+# The columns of a line kind without a price row (a kind of rating_rows).
+KIND_COLUMNS = "line_id, status, policy_id, policy_version, feature_code, meter_code, line_index"
+
+# ... and of a kind of rating_lines, with its price row.
+PRICED_KIND_COLUMNS = KIND_COLUMNS + ", price_id, unit_price_xusd, unit_quantity_minor"
 
 _BATCH_KIND_LIST = ", ".join(f"'{kind}'" for kind in BATCH_KINDS)
 
@@ -146,6 +158,16 @@ def batch_runs_sql() -> str:
     )
 
 
+def rated_events_sql(runs_where: str = "TRUE") -> str:
+    """The event_id of every event row of the completed batch runs `b` (rating_runs columns)
+    that match `runs_where`: rows spelled out in rating_rows and a sweep's rating_lines."""
+    runs = f"SELECT * FROM ({batch_runs_sql()}) AS b WHERE {runs_where}"
+    return (f"SELECT r.event_id FROM lake.rating_rows AS r JOIN ({runs}) AS b ON b.run_id = r.run_id"
+            " WHERE r.source = 'event' AND r.event_id IS NOT NULL"
+            f" UNION ALL SELECT l.event_id FROM lake.rating_lines AS l JOIN ({runs}) AS b"
+            " ON b.run_id = l.run_id")
+
+
 def current_batch_sql(where: str = "TRUE") -> str:
     """The current rows of every (realm, source_id) a completed batch run rated, reversals
     excluded, with `run_finished_at`. `where` filters lake.ratings (alias r) first."""
@@ -180,6 +202,54 @@ def current_ratings_sql() -> str:
     )
 
 
+def record_kinds(conn: duckdb.DuckDBPyConnection, rows: list[tuple[object, ...]], columns: str) -> None:
+    """Add to lake.rating_line_kinds the kinds of `rows` (first column: line_id) it lacks.
+    Runs are serialized by the rating lock, so no kind is ever recorded twice; a kind that no
+    row names yet is harmless, so they go first, on their own."""
+    if not rows:
+        return
+    known = {row[0] for row in conn.execute("SELECT DISTINCT line_id FROM lake.rating_line_kinds"
+                                            " WHERE line_id IS NOT NULL").fetchall()}
+    missing = [row for row in rows if row[0] not in known]
+    if not missing:
+        return
+    marks = ", ".join("?" for _ in missing[0])
+
+    def insert() -> None:
+        with transaction(conn):
+            conn.executemany(f"INSERT INTO lake.rating_line_kinds ({columns}) VALUES ({marks})",
+                             missing)
+    with_lake_retry(insert)
+
+
+def write_lines_run(conn: duckdb.DuckDBPyConnection, *, run_id: str, kind: str,
+                    started_at: datetime, params: Mapping[str, object], events: pa.Table,
+                    lines: int) -> RunSummary:
+    """Append the lines of `events` (columns event_id, realm, billing_account_id, occurred_at
+    and `lines`, a list of STRUCT(line_id, quantity_minor, amount_xusd) whose kinds are
+    recorded) to lake.rating_lines under `run_id`, one row per line, and the run's completed
+    lake.rating_runs row, in one lake transaction (run again when the SQLite catalog is busy,
+    like `write_run`)."""
+    began = time.monotonic()
+    name = f"_run_events_{run_id.rsplit('-', 1)[-1]}"
+    conn.register(name, events)
+    try:
+        def write() -> None:
+            with transaction(conn):
+                conn.execute(
+                    f"INSERT INTO lake.rating_lines SELECT '{run_id}', event_id, realm,"
+                    " billing_account_id, occurred_at, l.line_id, l.quantity_minor, l.amount_xusd"
+                    f" FROM (SELECT *, unnest(lines) AS l FROM {name})")
+                conn.execute(
+                    "INSERT INTO lake.rating_runs VALUES (?, ?, 'completed', ?, ?, ?, ?, ?)",
+                    [run_id, kind, started_at, datetime.now(timezone.utc),
+                     json.dumps(dict(params), sort_keys=True), events.num_rows, lines])
+        with_lake_retry(write, attempts=10)
+    finally:
+        conn.unregister(name)
+    return RunSummary(run_id, kind, events.num_rows, lines, time.monotonic() - began)
+
+
 def write_run(conn: duckdb.DuckDBPyConnection, *, run_id: str, kind: str, started_at: datetime,
               params: Mapping[str, object], rows_sql: str, events: int | str | None) -> RunSummary:
     """Append the rows of `rows_sql` (columns of STORED_COLUMNS, in order) to lake.rating_rows,
@@ -193,17 +263,9 @@ def write_run(conn: duckdb.DuckDBPyConnection, *, run_id: str, kind: str, starte
     began = time.monotonic()
     # Runs are serialized by the rating lock, so no kind is ever recorded twice; a kind that
     # no row names yet is harmless, so they go first, on their own.
-    missing = conn.execute(
+    record_kinds(conn, conn.execute(
         "SELECT line_id, status, policy_id, policy_version, feature_code, meter_code, line_index"
-        f" FROM {LINE_CATALOG} AS c WHERE NOT EXISTS"
-        " (SELECT 1 FROM lake.rating_line_kinds AS k WHERE k.line_id = c.line_id)"
-    ).fetchall()
-    if missing:
-        def record_kinds() -> None:
-            with transaction(conn):
-                conn.executemany("INSERT INTO lake.rating_line_kinds VALUES (?, ?, ?, ?, ?, ?, ?)",
-                                 missing)
-        with_lake_retry(record_kinds)
+        f" FROM {LINE_CATALOG}").fetchall(), KIND_COLUMNS)
 
     def write() -> tuple[int, int]:
         with transaction(conn):

@@ -31,18 +31,27 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
+from pipelines.carry import CarryOutOfRange, PriceTerms, account_numbers, carry_shares, micros, uuid_words
 from pipelines.rating_plan import LINE_CATALOG, RatingPlan, amounts_sql, priced_sql, sql_instant
 from pipelines.rating_runs import (
+    PRICED_KIND_COLUMNS,
     RatingLock,
     RunSummary,
     batch_runs_sql,
     new_run_id,
+    rated_events_sql,
+    record_kinds,
+    write_lines_run,
     write_run,
 )
 
@@ -112,18 +121,91 @@ def _watermark(conn: duckdb.DuckDBPyConnection) -> tuple[int, datetime | None]:
 CLOCK_MARGIN = timedelta(hours=1)
 
 
-def _write_chunk(conn: duckdb.DuckDBPyConnection, lines: str, params: dict[str, object], *,
-                 events: int | str | None, progress: Progress | None = None, total: int = 0) -> RunSummary:
-    """One chunk's lines (priced, before the carry) as one sweep run."""
-    started_at = datetime.now(timezone.utc)
-    began = time.monotonic()
-    run_id = new_run_id("sweep", started_at)
-    summary = write_run(conn, run_id=run_id, kind="sweep", started_at=started_at, params=params,
-                        events=events, rows_sql=event_rows_sql(run_id, started_at, lines))
-    if progress is not None:
-        progress(total, total)
-    return RunSummary(summary.run_id, summary.kind, summary.events, summary.lines,
-                      time.monotonic() - began)
+# What the sweep reads of each event: `RatingPlan.lines_sql(per_event=True)`.
+_EVENT_COLUMNS = "event_id, realm, billing_account_id, occurred_at, lines"
+
+
+class _RunWriter:
+    """Writes the rated events of a chunk (an Arrow table of `_EVENT_COLUMNS`, each event's
+    priced lines in `lines`) as one sweep run: the carry and amounts in numpy
+    (`pipelines.carry`), the rows to lake.rating_lines, one per line. A chunk whose sums
+    might leave int64 is priced by the SQL window in HUGEINT instead, into lake.rating_rows,
+    exactly as before there was a fast path."""
+
+    def __init__(self, conn: duckdb.DuckDBPyConnection, plan: RatingPlan) -> None:
+        self.conn = conn
+        self.terms = PriceTerms.of(plan.price_terms())
+        kinds, ids = plan.priced_kinds()
+        self.kind_ids = np.array(ids, dtype=np.int64)
+        self.width = len(plan.prices) + 1
+        record_kinds(conn, kinds, PRICED_KIND_COLUMNS)
+
+    def write(self, events: pa.Table, params: dict[str, object]) -> RunSummary:
+        return self.commit(self.prepare(events), params)
+
+    def prepare(self, events: pa.Table) -> _Prepared:
+        """The run's rows: the carry and amounts of its lines (no lake access; safe on a
+        thread of its own while another run commits)."""
+        started_at = datetime.now(timezone.utc)
+        prepared = _Prepared(new_run_id("sweep", started_at), started_at, time.monotonic(),
+                             events)
+        lists = events.column("lines").combine_chunks()
+        lines = lists.flatten()
+        parent = np.asarray(pc.list_parent_indices(lists)).astype(np.int64)
+        line_key = np.asarray(lines.field("k")).astype(np.int64)
+        price_key = np.asarray(pc.fill_null(lines.field("p"), -1)).astype(np.int64)
+        event_ids = events.column("event_id")
+
+        def tie_break(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            high, low = uuid_words(event_ids, parent[rows])
+            return high, low, line_key[rows]
+
+        try:
+            amount = carry_shares(account_numbers(events.column("billing_account_id"))[parent],
+                                  micros(events.column("occurred_at"))[parent],
+                                  lines.field("q"), price_key, self.terms, tie_break)
+        except CarryOutOfRange:
+            return prepared  # priced in SQL at commit
+        offsets = np.asarray(lists.offsets).astype(np.int32)
+        priced = pa.StructArray.from_arrays(
+            [pa.array(self.kind_ids[line_key * self.width + price_key + 1]), lines.field("q"),
+             amount], names=["line_id", "quantity_minor", "amount_xusd"])
+        prepared.rows = events.drop_columns(["lines"]).append_column(
+            "lines", pa.ListArray.from_arrays(pa.array(offsets - offsets[0]), priced))
+        prepared.lines = len(lines)
+        return prepared
+
+    def commit(self, prepared: _Prepared, params: dict[str, object]) -> RunSummary:
+        """Write a prepared run to the lake, in one transaction."""
+        run_id, started_at = prepared.run_id, prepared.started_at
+        if prepared.rows is not None:
+            summary = write_lines_run(self.conn, run_id=run_id, kind="sweep",
+                                      started_at=started_at, params=params,
+                                      events=prepared.rows, lines=prepared.lines)
+        else:
+            name = f"_sweep_events_{run_id.rsplit('-', 1)[-1]}"
+            self.conn.register(name, prepared.events)
+            try:
+                lines_sql = (f"(SELECT event_id, realm, billing_account_id, occurred_at,"
+                             " l.k AS line_key, l.q AS quantity_minor, l.p AS price_key"
+                             f" FROM (SELECT *, unnest(lines) AS l FROM {name}))")
+                summary = write_run(self.conn, run_id=run_id, kind="sweep", started_at=started_at,
+                                    params=params, events=prepared.events.num_rows,
+                                    rows_sql=event_rows_sql(run_id, started_at, lines_sql))
+            finally:
+                self.conn.unregister(name)
+        return RunSummary(summary.run_id, summary.kind, summary.events, summary.lines,
+                          time.monotonic() - prepared.began)
+
+
+@dataclass
+class _Prepared:
+    run_id: str
+    started_at: datetime
+    began: float
+    events: pa.Table  # the chunk's rated events, as read
+    rows: pa.Table | None = None  # what rating_lines gets; None: price in SQL (HUGEINT)
+    lines: int = 0
 
 
 def sweep(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, lock: RatingLock, *,
@@ -157,56 +239,94 @@ def sweep_locked(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, *,
     # runs' rows are looked up: a sweep's cost follows what is new, not the size of the lake. An
     # event without an export id (loaded into the lake by hand) is checked against all runs.
     recent = "TRUE" if since is None else f"b.started_at >= {sql_instant(since - CLOCK_MARGIN)}"
-    rated = (f"SELECT r.event_id FROM lake.rating_rows AS r JOIN ({batch_runs_sql()}) AS b"
-             " ON b.run_id = r.run_id WHERE r.source = 'event' AND r.event_id IS NOT NULL")
-    pending = (f"(SELECT e.* FROM lake.events AS e ANTI JOIN ({rated} AND {recent}) AS r"
-               f" ON r.event_id = e.event_id WHERE e.export_id > {watermark}")
+    pending = f"(SELECT e.* FROM lake.events AS e WHERE e.export_id > {watermark})"
+    found = conn.execute(f"SELECT count(*) FROM ({batch_runs_sql()}) AS b WHERE {recent}").fetchone()
+    if found and found[0]:
+        # The anti-join costs a fifth of a big sweep even when it removes nothing: only
+        # when such runs exist.
+        pending = (f"(SELECT e.* FROM lake.events AS e ANTI JOIN ({rated_events_sql(recent)})"
+                   f" AS r ON r.event_id = e.event_id WHERE e.export_id > {watermark})")
     if unexported:
-        pending += (f" UNION ALL SELECT e.* FROM lake.events AS e ANTI JOIN ({rated}) AS r"
-                    " ON r.event_id = e.event_id WHERE e.export_id IS NULL")
-    pending += ")"
-    priced = priced_sql("(" + plan.lines_sql(pending) + ")")
-    if len(chunks) == 1:
-        # One chunk: rate, price, carry and write in one statement, with no scratch files.
-        return [_write_chunk(conn, f"({priced})", {"buckets": [chunks[0].first_bucket,
-                                                               chunks[0].last_bucket],
-                                                   "through_export_id": through,
-                                                   "through_read_at": read_at.isoformat()},
-                             events=f"SELECT count(*) FROM {pending}", progress=progress,
-                             total=chunks[0].events)]
+        pending = (f"({pending[1:-1]} UNION ALL SELECT e.* FROM lake.events AS e ANTI JOIN"
+                   f" ({rated_events_sql()}) AS r ON r.event_id = e.event_id"
+                   " WHERE e.export_id IS NULL)")
+    rated = plan.lines_sql(pending, per_event=True)
+    writer = _RunWriter(conn, plan)
+    # UUIDs reach Arrow as 16 bytes, not text (the carry orders ties by them).
+    lossless = conn.execute("SELECT current_setting('arrow_lossless_conversion')").fetchone()
+    conn.execute("SET arrow_lossless_conversion = true")
+    try:
+        if len(chunks) == 1:
+            # One chunk: its events in one query, straight to the carry and the lake.
+            # The relation API materializes in parallel; execute() streams on one thread.
+            events = conn.sql(rated).to_arrow_table()
+            run = writer.write(events, {"buckets": [chunks[0].first_bucket, chunks[0].last_bucket],
+                                       "through_export_id": through,
+                                       "through_read_at": read_at.isoformat()})
+            if progress is not None:
+                progress(chunks[0].events, chunks[0].events)
+            return [run]
+        return _sweep_chunks(conn, writer, rated, chunks, through=through, read_at=read_at,
+                             scratch=scratch, progress=progress)
+    finally:
+        conn.execute(f"SET arrow_lossless_conversion = {bool(lossless and lossless[0])}")
+
+
+def _sweep_chunks(conn: duckdb.DuckDBPyConnection, writer: _RunWriter, rated: str,
+                  chunks: list[Chunk], *, through: int, read_at: datetime, scratch: Path | None,
+                  progress: Progress | None) -> list[RunSummary]:
+    """More than one chunk: one scan rates every pending event and writes the rated events
+    (one row each, its priced lines in a list) to a scratch folder, one partition per chunk
+    (uncompressed: they are read once, soon); then each chunk's files become a run.
+    Measured at 5 M events: 4.1 s against 2.3 s for the scan alone, where streaming the rows
+    to Python instead took 5.4 s (DuckDB's Arrow stream runs on one thread), and a temporary
+    table ordered by chunk 4.4 s (and one over the memory limit is read back from disk for
+    every chunk)."""
     if scratch is not None:
         scratch.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix="sweep-", dir=scratch))
     try:
-        # Pass 1, one scan: every pending event rated and priced, its lines written to the
-        # scratch folder in one partition per chunk (uncompressed: they are read once, soon).
         chunk_of = " ".join(f"WHEN _bucket <= {c.last_bucket} THEN {i}" for i, c in enumerate(chunks))
         conn.execute(
             f"COPY (SELECT * EXCLUDE (_bucket), CASE {chunk_of} END AS chunk FROM"
-            f" (SELECT *, hash(billing_account_id) % {BUCKETS} AS _bucket FROM ({priced})))"
+            f" (SELECT *, hash(billing_account_id) % {BUCKETS} AS _bucket FROM ({rated})))"
             f" TO '{folder}' (FORMAT parquet, PARTITION_BY (chunk), COMPRESSION uncompressed)")
-        # Pass 2, per chunk: the carry, the amounts and the run's one lake transaction.
         total = sum(c.events for c in chunks)
+        kept = [i for i, c in enumerate(chunks)
+                if (folder / f"chunk={i}").is_dir() or i == len(chunks) - 1]
+        # The next chunk is read and carried on a connection of its own while this one
+        # commits (both use the two cores; one after the other, each left one idle at times).
+        reader = conn.cursor()
+        reader.execute("SET TimeZone = 'UTC'")
+        reader.execute("SET arrow_lossless_conversion = true")
+
+        def prepare(index: int) -> _Prepared:
+            files = folder / f"chunk={index}"
+            source = (f"read_parquet('{files}/*.parquet')" if files.is_dir()
+                      else f"({rated}) WHERE FALSE")
+            return writer.prepare(reader.sql(f"SELECT {_EVENT_COLUMNS} FROM {source}").to_arrow_table())
+
         runs: list[RunSummary] = []
         done = 0
-        for index, chunk in enumerate(chunks):
-            last = index == len(chunks) - 1
-            files = folder / f"chunk={index}"
-            lines = (f"read_parquet('{files}/*.parquet')" if files.is_dir() else
-                     f"(SELECT * FROM ({priced}) WHERE FALSE)")
-            count = conn.execute(f"SELECT count(DISTINCT event_id) FROM {lines}").fetchone()
-            events = int(count[0]) if count else 0
-            if events or last:
+        with reader, ThreadPoolExecutor(1) as pool:
+            upcoming = pool.submit(prepare, kept[0]) if kept else None
+            for position, index in enumerate(kept):
+                assert upcoming is not None
+                prepared = upcoming.result()
+                upcoming = (pool.submit(prepare, kept[position + 1])
+                            if position + 1 < len(kept) else None)
+                chunk = chunks[index]
                 params: dict[str, object] = {"buckets": [chunk.first_bucket, chunk.last_bucket]}
-                if last:
+                if index == len(chunks) - 1:
                     # Every candidate up to this export id has now been looked at by a sweep.
                     params["through_export_id"] = through
                     params["through_read_at"] = read_at.isoformat()
-                runs.append(_write_chunk(conn, lines, params, events=events))
-            shutil.rmtree(files, ignore_errors=True)
-            done += chunk.events
-            if progress is not None:
-                progress(done, total)
+                runs.append(writer.commit(prepared, params))
+                del prepared
+                shutil.rmtree(folder / f"chunk={index}", ignore_errors=True)
+                done = sum(c.events for c in chunks[:index + 1])
+                if progress is not None:
+                    progress(done, total)
         return runs
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -65,7 +65,8 @@ def test_an_old_lake_is_upgraded_once_even_by_two_processes_at_once(tmp_path: Pa
 
 def test_a_row_with_a_line_id_reads_as_a_described_row(tmp_path: Path) -> None:
     conn = connect_lake(tmp_path)
-    conn.execute("INSERT INTO lake.rating_line_kinds VALUES (42, 'rated', 'llm', 'v2', 'llm.chat', 'tokens.out', 1)")
+    conn.execute("INSERT INTO lake.rating_line_kinds (line_id, status, policy_id, policy_version,"
+                 " feature_code, meter_code, line_index) VALUES (42, 'rated', 'llm', 'v2', 'llm.chat', 'tokens.out', 1)")
     conn.execute("INSERT INTO lake.rating_rows (run_id, source, event_id, realm, billing_account_id,"
                  " quantity_minor, amount_xusd, line_id) VALUES ('sweep-20261101T000000000000Z-a1b2c3', 'event',"
                  " ?, 'acme', 'acct_a', 7, 3, 42)", [EVENT])

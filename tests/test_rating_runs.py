@@ -406,3 +406,43 @@ def test_a_day_deferred_under_a_policy_the_catalog_dropped_waits_and_is_named(
     [run] = close_aggregate_days(conn, plan, lock(data_dir), lateness=lateness, now=closed)
     assert rows(conn, "SELECT source_id, quantity_minor, amount_xusd FROM lake.ratings WHERE run_id = ?",
                 [run.run_id]) == [("acct_a/seats.snapshot/2026-11-01", 3, 3_000_000)]
+
+
+def test_a_sweep_writes_narrow_lines_that_read_like_every_other_rating(lake: Any) -> None:
+    # 700 + 700 input tokens at 150 per 1000 (floor) in occurred_at order: 0 then 150.
+    data_dir, feed, conn = lake
+    plan = apply_catalog(data_dir, catalog_toml(
+        policies=policy("llm", ("v1", "2026-01-01T00:00:00Z", LLM_V1)), prices=PRICES))
+    second, first = feed.add(llm("acct_a", "2026-11-01T00:00:02Z", 700),
+                             llm("acct_a", "2026-11-01T00:00:01Z", 700))
+    [run] = sweep(conn, plan, lock(data_dir))
+    assert rows(conn, "SELECT count(*) FROM lake.rating_lines") == [(4,)]
+    assert rows(conn, "SELECT count(*) FROM lake.rating_rows WHERE run_id = ?", [run.run_id]) == [(0,)]
+    started = rows(conn, "SELECT started_at FROM lake.rating_runs WHERE run_id = ?", [run.run_id])[0][0]
+    tag = run.run_id.rsplit("-", 1)[-1]
+    assert rows(conn, "SELECT rating_id, source, source_id, realm, billing_account_id, status,"
+                " policy_id, policy_version, feature_code, meter_code, quantity_minor, price_id,"
+                " unit_price_xusd, unit_quantity_minor, amount_xusd, rated_at, line_index"
+                " FROM lake.ratings WHERE meter_code = 'tokens.in' ORDER BY occurred_at") == [
+        (f"{first}:0:{tag}", "event", first, "acme", "acct_a", "rated", "llm", "v1", "llm.chat",
+         "tokens.in", 700, "tokens.in@2026-01-01T00:00:00Z", 150, 1000, 0, started, 0),
+        (f"{second}:0:{tag}", "event", second, "acme", "acct_a", "rated", "llm", "v1", "llm.chat",
+         "tokens.in", 700, "tokens.in@2026-01-01T00:00:00Z", 150, 1000, 150, started, 0)]
+    assert (run.events, run.lines) == (2, 4)
+
+
+def test_quantities_too_large_for_int64_sums_are_priced_in_sql_instead(lake: Any) -> None:
+    # Two lines of 2^60 tokens: their running sum (2^61) is past what the numpy carry takes,
+    # so the run is priced by the SQL window (HUGEINT) into rating_rows: same amounts.
+    data_dir, feed, conn = lake
+    plan = apply_catalog(data_dir, catalog_toml(
+        policies=policy("llm", ("v1", "2026-01-01T00:00:00Z", LLM_V1)),
+        prices=price("tokens.in", 1, 2 ** 40, "2026-01-01T00:00:00Z")))
+    feed.add(llm("acct_a", "2026-11-01T00:00:01Z", 2 ** 60 + 5),
+             llm("acct_a", "2026-11-01T00:00:02Z", 2 ** 60 - 5))
+    [run] = sweep(conn, plan, lock(data_dir))
+    assert rows(conn, "SELECT count(*) FROM lake.rating_lines") == [(0,)]
+    assert run.events == 2
+    assert rows(conn, "SELECT quantity_minor, amount_xusd FROM lake.ratings"
+                " WHERE meter_code = 'tokens.in' ORDER BY occurred_at") == [
+        (2 ** 60 + 5, 2 ** 20), (2 ** 60 - 5, 2 ** 20)]
