@@ -446,3 +446,29 @@ def test_quantities_too_large_for_int64_sums_are_priced_in_sql_instead(lake: Any
     assert rows(conn, "SELECT quantity_minor, amount_xusd FROM lake.ratings"
                 " WHERE meter_code = 'tokens.in' ORDER BY occurred_at") == [
         (2 ** 60 + 5, 2 ** 20), (2 ** 60 - 5, 2 ** 20)]
+
+
+@pytest.mark.parametrize("stage", ["memory", "parquet"])
+def test_a_sweep_of_many_chunks_carries_each_account_whole(lake: Any, monkeypatch: Any,
+                                                           stage: str) -> None:
+    # Rated events wait between the scan and their runs in memory, or (past the memory
+    # budget) in Parquet files; each account's lines land in one run either way.
+    import pipelines.sweep as sweep_module
+
+    if stage == "parquet":
+        monkeypatch.setattr(sweep_module, "_STAGED_EVENT_BYTES", 10 ** 12)
+    data_dir, feed, conn = lake
+    plan = apply_catalog(data_dir, catalog_toml(
+        policies=policy("llm", ("v1", "2026-01-01T00:00:00Z", LLM_V1)), prices=PRICES))
+    accounts = [f"acct_{n}" for n in range(6)]
+    feed.add(*(llm(account, f"2026-11-01T00:00:0{i}Z", 600) for account in accounts for i in range(4)))
+    spill = data_dir / "lake" / "spill"
+    runs = sweep(conn, plan, lock(data_dir), chunk_events=5, scratch=spill)
+    assert len(runs) >= 3 and sum(r.events for r in runs) == 24
+    # Per account, 600 tokens a time at 150 per 1000 (floor): 0, 150, 0, 150.
+    got = rows(conn, "SELECT billing_account_id, list(amount_xusd ORDER BY occurred_at),"
+               " count(DISTINCT run_id) FROM lake.ratings WHERE meter_code = 'tokens.in'"
+               " GROUP BY ALL ORDER BY 1")
+    assert got == [(account, [0, 150, 0, 150], 1) for account in accounts]
+    assert spill.is_dir() and not list(spill.iterdir())  # the stage is gone
+    assert rows(conn, "SELECT count(*) FROM duckdb_tables() WHERE table_name = '_sweep_stage'") == [(0,)]
