@@ -12,7 +12,7 @@ and rating the events. Here only what orders a line is sorted: one 64-bit key pe
 tie are then put in (event_id, line) order among themselves, and the running sums are one
 `cumsum`. Lines whose price row has a block of one unit need no running sum (A is linear).
 
-Integers only, in int64: `carry_amounts` first checks that no running sum, rounding term or
+Integers only, in int64: `carry_shares` first checks that no running sum, rounding term or
 amount can leave int64 (a cheap bound over the whole run) and raises `CarryOutOfRange` when
 one might; the caller then prices that run with the SQL window, in HUGEINT.
 """

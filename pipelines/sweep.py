@@ -9,12 +9,15 @@
    event without an export id. An event is pending when no completed sweep, rerate or
    aggregate run holds a row for it; inline ratings do not count, they are provisional.
 3. Pending events are split into chunks of about `chunk_events` by a hash of the billing
-   account. When there is one chunk, one statement rates and prices every pending event
-   (`pipelines.rating_plan`), carries the remainders and writes the run. Otherwise one scan
-   rates and prices every pending event and writes its lines, one partition per chunk, to a
-   scratch folder; then each chunk gets the remainder carry and its amounts. Each chunk
-   becomes one run in one lake transaction (`rating_runs.write_run`): its rows and its
-   rating_runs row land together or not at all.
+   account. One query rates every pending event (`RatingPlan.lines_sql(per_event=True)`: a
+   row per event with its priced lines); numpy carries the remainders and prices each line
+   (`pipelines.carry`); the lines go to lake.rating_lines. With one chunk that is all; with
+   more, the rated events are staged once with their chunk (a table in memory, or Parquet
+   files past the memory budget), then each chunk is read back, carried and written, the
+   next one read and carried while one commits. Each chunk becomes one run in one lake
+   transaction (`rating_runs.write_lines_run`): its rows and its rating_runs row land
+   together or not at all. A run whose sums might leave int64 is priced by the SQL window
+   in HUGEINT instead (`rating_plan.amounts_sql`, rows in lake.rating_rows).
    A crash loses at most the chunk in flight, which the next sweep rates again; no event is
    ever half rated. Memory stays flat however many events wait, and the events are read once.
 4. All of an account's pending events fall in one chunk, so the carry of a run (per account,
@@ -221,7 +224,7 @@ def sweep_locked(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, *,
                  chunk_events: int = CHUNK_EVENTS, scratch: Path | None = None,
                  progress: Progress | None = None) -> list[RunSummary]:
     """`sweep` for a caller that already holds the rating lock. `scratch` is a folder for
-    the lines between the two passes (a temporary folder when None)."""
+    the Parquet stage of a sweep too big for memory (a temporary folder when None)."""
     plan.install(conn)
     watermark, since = _watermark(conn)
     read_at = datetime.now(timezone.utc)  # before the greatest export id is read

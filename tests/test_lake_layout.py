@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -133,3 +134,36 @@ def test_a_read_only_attach_rolls_back_what_a_killed_writer_left_half_done(tmp_p
     with duckdb.connect() as db:
         tables = db.execute(f"SELECT name FROM sqlite_scan('{catalog}', 'sqlite_master')").fetchall()
     assert ("half_done",) not in tables
+
+
+def test_a_lake_from_before_rating_lines_gets_them_and_priced_kinds(tmp_path: Path) -> None:
+    # Line kinds of seven columns and a view of rating_rows alone: the next writable attach
+    # adds rating_lines, the kinds' price columns and the view that reads both.
+    catalog, data = lake_paths(tmp_path)
+    catalog.parent.mkdir(parents=True, exist_ok=True)
+    data.mkdir(parents=True, exist_ok=True)
+    conn = duckdb.connect()
+    _load_extensions(conn)
+    conn.execute(f"ATTACH 'ducklake:sqlite:{catalog}' AS lake (DATA_PATH '{data}/')")
+    conn.execute(f"CREATE TABLE lake.rating_rows ({LAKE_TABLES['rating_rows']})")
+    conn.execute("CREATE TABLE lake.rating_line_kinds (line_id BIGINT, status VARCHAR,"
+                 " policy_id VARCHAR, policy_version VARCHAR, feature_code VARCHAR,"
+                 " meter_code VARCHAR, line_index INTEGER)")
+    conn.execute("INSERT INTO lake.rating_line_kinds VALUES (42, 'rated', 'llm', 'v2', 'llm.chat', 'tokens.out', 1)")
+    conn.close()
+    conn = connect_lake(tmp_path)
+    assert conn.execute("SELECT price_id, unit_price_xusd, unit_quantity_minor FROM lake.rating_line_kinds"
+                        ).fetchall() == [(None, None, None)]
+    conn.execute("INSERT INTO lake.rating_line_kinds VALUES (7, 'rated', 'llm', 'v2', 'llm.chat',"
+                 " 'tokens.in', 0, 'tokens.in@x', 150, 1000)")
+    conn.execute("INSERT INTO lake.rating_runs VALUES ('sweep-20261101T000000000000Z-a1b2c3', 'sweep',"
+                 " 'completed', TIMESTAMPTZ '2026-11-02 00:00:00+00', TIMESTAMPTZ '2026-11-02 00:00:01+00',"
+                 " '{}', 1, 1)")
+    conn.execute("INSERT INTO lake.rating_lines VALUES ('sweep-20261101T000000000000Z-a1b2c3', ?, 'acme',"
+                 " 'acct_a', TIMESTAMPTZ '2026-11-01 00:00:00+00', 7, 1000, 150)", [EVENT])
+    assert conn.execute(
+        "SELECT rating_id, source_id, status, meter_code, price_id, unit_price_xusd, amount_xusd,"
+        " rated_at FROM lake.ratings").fetchall() == [
+        (f"{EVENT}:0:a1b2c3", EVENT, "rated", "tokens.in", "tokens.in@x", 150, 150,
+         datetime(2026, 11, 2, tzinfo=timezone.utc))]
+    conn.close()
