@@ -103,10 +103,15 @@ def run_schedule(data_dir: Path, schedule: Sequence[tuple[str, float]] = SCHEDUL
         time.sleep(max(0.0, due[name] - time.monotonic()))
         try:
             flow_named(name)(data_dir=str(data_dir))
-        except Exception as exc:
+        except BaseException as exc:
+            # Prefect's TerminationSignal is a BaseException: bare when the signal came
+            # while the flow ran Python (the sweep's carry), inside a DuckDB error when it
+            # came during a query.
             if _stopped(exc):
                 log.info("flow %s stopped by a signal; its work is left to the next run", name)
                 sys.exit(0)
+            if not isinstance(exc, Exception):
+                raise
             log.exception("flow %s failed; next try in %.0f s", name, intervals[name])
         due[name] = max(due[name] + intervals[name], time.monotonic())
 
