@@ -440,15 +440,16 @@ class RatingPlan:
             self._rated[version.key] = keys
         return specs
 
-    def priced_kinds(self) -> tuple[list[tuple[object, ...]], list[int]]:
+    def priced_kinds(self) -> tuple[list[tuple[object, ...]], dict[int, int]]:
         """The kinds of `rating_lines` this plan can write, and their ids by line.
 
         Returns (rows for lake.rating_line_kinds: line_id, status, policy_id, policy_version,
         feature_code, meter_code, line_index, price_id, unit_price_xusd, unit_quantity_minor;
         ids), where `ids[line_key * (len(prices) + 1) + price_key + 1]` is the kind of a line
-        (price_key -1 for a line without a price row; 0 for a pair no line can have)."""
+        (price_key -1 for a line without a price row; no entry for a pair no line can have:
+        a line only meets its own realm and meter's price rows)."""
         width = len(self.prices) + 1
-        ids = [0] * (len(self.lines) * width)
+        ids: dict[int, int] = {}
         rows: list[tuple[object, ...]] = []
         for spec in self.lines:
             options: list[PlannedPrice | None] = [None]

@@ -408,8 +408,14 @@ def test_a_day_deferred_under_a_policy_the_catalog_dropped_waits_and_is_named(
                 [run.run_id]) == [("acct_a/seats.snapshot/2026-11-01", 3, 3_000_000)]
 
 
-def test_a_sweep_writes_narrow_lines_that_read_like_every_other_rating(lake: Any) -> None:
+@pytest.mark.parametrize("kinds", ["table", "distinct pairs"])
+def test_a_sweep_writes_narrow_lines_that_read_like_every_other_rating(lake: Any, monkeypatch: Any,
+                                                                     kinds: str) -> None:
     # 700 + 700 input tokens at 150 per 1000 (floor) in occurred_at order: 0 then 150.
+    import pipelines.sweep as sweep_module
+
+    if kinds == "distinct pairs":  # as for a catalog of many realms
+        monkeypatch.setattr(sweep_module, "_DENSE_KINDS", 0)
     data_dir, feed, conn = lake
     plan = apply_catalog(data_dir, catalog_toml(
         policies=policy("llm", ("v1", "2026-01-01T00:00:00Z", LLM_V1)), prices=PRICES))

@@ -22,8 +22,9 @@ Tables (all times UTC):
                      price_id, unit_price_xusd BIGINT, unit_quantity_minor BIGINT,
                      amount_xusd BIGINT, occurred_at TIMESTAMPTZ, rated_at TIMESTAMPTZ,
                      line_index INTEGER
-    rating_rows      what `ratings` reads: its columns plus line_id BIGINT. A line a sweep or
-                     rerate rates stores line_id and leaves rating_id, source_id, status,
+    rating_rows      what `ratings` reads besides rating_lines: its columns plus line_id
+                     BIGINT. A line a rerate rates (or a sweep too large for the int64
+                     carry) stores line_id and leaves rating_id, source_id, status,
                      policy_id, policy_version, feature_code, meter_code and line_index NULL;
                      the view takes them from rating_line_kinds and derives the two ids. Every
                      other row (reversals included) stores them all and line_id NULL.
