@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import signal
+import tempfile
 import uuid
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import duckdb
 from hypothesis import given, settings
@@ -95,10 +97,13 @@ def test_split_commits_are_charged_exactly_one_commit_of_the_total(meter: str, p
             assert split_total == charged
 
 
+# One folder for the whole run, removed at exit: a folder per hypothesis example was left
+# behind in the system's temporary folder (about 84 per run).
+_SCRATCH = tempfile.TemporaryDirectory(prefix="tollgate-gate-test-")
+
+
 def open_operational_memory() -> duckdb.DuckDBPyConnection:
-    import tempfile
-    from pathlib import Path
-    return open_operational(Path(tempfile.mkdtemp()) / "op.duckdb")
+    return open_operational(Path(tempfile.mkdtemp(dir=_SCRATCH.name)) / "op.duckdb")
 
 
 def test_expired_leases_release_their_holds_in_the_book() -> None:
