@@ -21,14 +21,21 @@ OLD_COLUMNS = LAKE_TABLES["rating_rows"].replace(", line_id BIGINT", "")
 EVENT = "5f0c2a8e-8e8e-4c1a-9a57-3d8a5a0e2b11"
 
 
-def _old_lake(data_dir: Path) -> None:
-    """A lake as written before: `ratings` a table with one described row."""
+def _bare_lake(data_dir: Path) -> duckdb.DuckDBPyConnection:
+    """The lake attached as `lake` with none of today's set-up: a lake as an older version
+    left it is built on that."""
     catalog, data = lake_paths(data_dir)
     catalog.parent.mkdir(parents=True, exist_ok=True)
     data.mkdir(parents=True, exist_ok=True)
     conn = duckdb.connect()
     _load_extensions(conn)
     conn.execute(f"ATTACH 'ducklake:sqlite:{catalog}' AS lake (DATA_PATH '{data}/')")
+    return conn
+
+
+def _old_lake(data_dir: Path) -> None:
+    """A lake as written before: `ratings` a table with one described row."""
+    conn = _bare_lake(data_dir)
     conn.execute(f"CREATE TABLE lake.ratings ({OLD_COLUMNS})")
     conn.execute("INSERT INTO lake.ratings VALUES ('r-1', 'sweep-x-abc', 'event', ?, ?, 'acme', 'acct_a',"
                  " 'rated', 'llm', 'v1', 'llm.chat', 'tokens.in', 10, 'p', 150, 1000, 2,"
@@ -139,12 +146,7 @@ def test_a_read_only_attach_rolls_back_what_a_killed_writer_left_half_done(tmp_p
 def test_a_lake_from_before_rating_lines_gets_them_and_priced_kinds(tmp_path: Path) -> None:
     # Line kinds of seven columns and a view of rating_rows alone: the next writable attach
     # adds rating_lines, the kinds' price columns and the view that reads both.
-    catalog, data = lake_paths(tmp_path)
-    catalog.parent.mkdir(parents=True, exist_ok=True)
-    data.mkdir(parents=True, exist_ok=True)
-    conn = duckdb.connect()
-    _load_extensions(conn)
-    conn.execute(f"ATTACH 'ducklake:sqlite:{catalog}' AS lake (DATA_PATH '{data}/')")
+    conn = _bare_lake(tmp_path)
     conn.execute(f"CREATE TABLE lake.rating_rows ({LAKE_TABLES['rating_rows']})")
     conn.execute("CREATE TABLE lake.rating_line_kinds (line_id BIGINT, status VARCHAR,"
                  " policy_id VARCHAR, policy_version VARCHAR, feature_code VARCHAR,"
