@@ -32,6 +32,12 @@ def own_prefect_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
+# A backlog a sweep takes a few seconds over, so a signal sent a second after it began lands
+# inside it: once the carry moved to numpy, a sweep of 800,000 events could end before the
+# signal came, which then met a later, empty run instead.
+BACKLOG_COPIES = 2400
+
+
 def backlog_service(tmp: Path, copies: int) -> Service:
     """A service folder whose lake holds 1,000 events times `copies`, none rated yet."""
     catalog = tmp / "catalog.toml"
@@ -85,7 +91,7 @@ def test_a_killed_service_takes_its_scheduler_along_even_mid_sweep(
     rated every minute with no service, next to the one the next start launched."""
     monkeypatch.setenv("TOLLGATE_SCHEDULES", "on")
     monkeypatch.setenv("TOLLGATE_SCHEDULE_SECONDS", "rate-events=1")
-    svc = backlog_service(tmp_path, copies=800)
+    svc = backlog_service(tmp_path, copies=BACKLOG_COPIES)
     svc.start()
     try:
         wait_for(lambda: "Beginning flow run" in log_of(svc), 90, "the first sweep")
@@ -101,8 +107,9 @@ def test_a_killed_service_takes_its_scheduler_along_even_mid_sweep(
     assert sweep_rows(svc.data_dir) == (0, 0)
     svc.start()
     try:
-        wait_for(lambda: sweep_rows(svc.data_dir)[0] == 800_000, 120, "the sweep after restart")
-        assert sweep_rows(svc.data_dir) == (800_000, 0)
+        wait_for(lambda: sweep_rows(svc.data_dir)[0] == BACKLOG_COPIES * 1000, 120,
+                 "the sweep after restart")
+        assert sweep_rows(svc.data_dir) == (BACKLOG_COPIES * 1000, 0)
     finally:
         svc.stop()
     assert not processes_of(svc.data_dir, "flows.scheduler")
@@ -116,7 +123,7 @@ def test_stopping_serve_mid_sweep_is_prompt_and_leaves_no_half_run(
     later."""
     monkeypatch.setenv("TOLLGATE_SCHEDULES", "on")
     monkeypatch.setenv("TOLLGATE_SCHEDULE_SECONDS", "rate-events=1")
-    svc = backlog_service(tmp_path, copies=800)
+    svc = backlog_service(tmp_path, copies=BACKLOG_COPIES)
     svc.start()
     try:
         wait_for(lambda: "Beginning flow run" in log_of(svc), 90, "the first sweep")
