@@ -45,7 +45,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipelines.carry import CarryOutOfRange, PriceTerms, account_numbers, carry_shares, micros, uuid_words
-from pipelines.rating_plan import LINE_CATALOG, RatingPlan, amounts_sql, priced_sql, sql_instant
+from pipelines.rating_plan import LINE_CATALOG, RatingPlan, amounts_sql, sql_instant
 from pipelines.rating_runs import (
     PRICED_KIND_COLUMNS,
     RatingLock,
