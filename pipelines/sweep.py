@@ -9,7 +9,7 @@
    event without an export id. An event is pending when no completed sweep, rerate or
    aggregate run holds a row for it; inline ratings do not count, they are provisional.
 3. Pending events are split into chunks of about `chunk_events` by a hash of the billing
-   account. One query rates every pending event (`RatingPlan.lines_sql(per_event=True)`: a
+   account. One query rates every pending event (`RatingPlan.slots_sql`: a
    row per event with its priced lines); numpy carries the remainders and prices each line
    (`pipelines.carry`); the lines go to lake.rating_lines. With one chunk that is all; with
    more, the rated events are staged once with their chunk (a table in memory, or Parquet
@@ -44,7 +44,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipelines.carry import CarryOutOfRange, PriceTerms, account_numbers, carry_shares, micros, uuid_words
+from pipelines.carry import CarryOutOfRange, PriceTerms, carry_shares, micros, uuid_words
 from pipelines.rating_plan import LINE_CATALOG, RatingPlan, amounts_sql, sql_instant
 from pipelines.rating_runs import (
     PRICED_KIND_COLUMNS,
@@ -58,7 +58,8 @@ from pipelines.rating_runs import (
     write_run,
 )
 
-__all__ = ["CHUNK_EVENTS", "Progress", "event_rows_sql", "plan_chunks", "sweep", "sweep_locked"]
+__all__ = ["CHUNK_EVENTS", "Progress", "SlotLines", "event_rows_sql", "plan_chunks", "slot_lines", "sweep",
+           "sweep_locked"]
 
 CHUNK_EVENTS = 1_000_000
 BUCKETS = 1024  # account hash buckets; chunks are runs of consecutive buckets
@@ -124,23 +125,22 @@ def _watermark(conn: duckdb.DuckDBPyConnection) -> tuple[int, datetime | None]:
 CLOCK_MARGIN = timedelta(hours=1)
 
 
-# What the sweep reads of each event: `RatingPlan.lines_sql(per_event=True)`.
-_EVENT_COLUMNS = "event_id, realm, billing_account_id, occurred_at, lines"
-
-
 # Up to this many (line, price row) pairs, line kinds are looked up in a table.
 _DENSE_KINDS = 1 << 16
+# Rows per Arrow batch handed to DuckDB: it scans an Arrow table one batch per thread.
+_WRITE_BATCH = 1 << 17
 
 
 class _RunWriter:
-    """Writes the rated events of a chunk (an Arrow table of `_EVENT_COLUMNS`, each event's
-    priced lines in `lines`) as one sweep run: the carry and amounts in numpy
+    """Writes the rated events of a chunk (an Arrow table of `RatingPlan.slots_sql` columns:
+    each event and its lines in slots) as one sweep run: the carry and amounts in numpy
     (`pipelines.carry`), the rows to lake.rating_lines, one per line. A chunk whose sums
     might leave int64 is priced by the SQL window in HUGEINT instead, into lake.rating_rows,
     exactly as before there was a fast path."""
 
     def __init__(self, conn: duckdb.DuckDBPyConnection, plan: RatingPlan) -> None:
         self.conn = conn
+        self.slots = plan.slot_count()
         self.terms = PriceTerms.of(plan.price_terms())
         kinds, self.kind_ids = plan.priced_kinds()
         self.width = len(plan.prices) + 1
@@ -150,6 +150,11 @@ class _RunWriter:
                                     dtype=np.int64)
                            if len(plan.lines) * self.width <= _DENSE_KINDS else None)
         record_kinds(conn, kinds, PRICED_KIND_COLUMNS)
+
+    def columns(self) -> str:
+        """The columns of `slots_sql` the writer reads."""
+        slots = ", ".join(f"k{j}, q{j}, p{j}" for j in range(self.slots))
+        return f"event_id, realm, billing_account_id, occurred_at, {slots}"
 
     def _line_ids(self, line_key: np.ndarray, price_key: np.ndarray) -> np.ndarray:
         pair = line_key * self.width + price_key + 1
@@ -167,30 +172,22 @@ class _RunWriter:
         started_at = datetime.now(timezone.utc)
         prepared = _Prepared(new_run_id("sweep", started_at), started_at, time.monotonic(),
                              events)
-        lists = events.column("lines").combine_chunks()
-        lines = lists.flatten()
-        parent = np.asarray(pc.list_parent_indices(lists)).astype(np.int64)
-        line_key = np.asarray(lines.field("k")).astype(np.int64)
-        price_key = np.asarray(pc.fill_null(lines.field("p"), -1)).astype(np.int64)
-        event_ids = events.column("event_id")
-
-        def tie_break(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            high, low = uuid_words(event_ids, parent[rows])
-            return high, low, line_key[rows]
-
         try:
-            amount = carry_shares(account_numbers(events.column("billing_account_id"))[parent],
-                                  micros(events.column("occurred_at"))[parent],
-                                  lines.field("q"), price_key, self.terms, tie_break)
+            lines = slot_lines(events, self.slots, self.terms)
         except CarryOutOfRange:
             return prepared  # priced in SQL at commit
-        offsets = np.asarray(lists.offsets).astype(np.int32)
-        priced = pa.StructArray.from_arrays(
-            [pa.array(self._line_ids(line_key, price_key)), lines.field("q"),
-             amount], names=["line_id", "quantity_minor", "amount_xusd"])
-        prepared.rows = events.drop_columns(["lines"]).append_column(
-            "lines", pa.ListArray.from_arrays(pa.array(offsets - offsets[0]), priced))
-        prepared.lines = len(lines)
+        taken = pa.array(lines.parent)
+        rows = pa.table({
+            "event_id": _array(events.column("event_id")).take(taken),
+            "realm": pc.dictionary_encode(_array(events.column("realm"))).take(taken),
+            "billing_account_id": lines.accounts.take(taken),
+            "occurred_at": _array(events.column("occurred_at")).take(taken),
+            "line_id": pa.array(self._line_ids(lines.line_key, lines.price_key)),
+            "quantity_minor": lines.quantity,
+            "amount_xusd": lines.amount,
+        })
+        prepared.rows = pa.Table.from_batches(rows.to_batches(max_chunksize=_WRITE_BATCH),
+                                              schema=rows.schema)
         return prepared
 
     def commit(self, prepared: _Prepared, params: dict[str, object]) -> RunSummary:
@@ -199,21 +196,75 @@ class _RunWriter:
         if prepared.rows is not None:
             summary = write_lines_run(self.conn, run_id=run_id, kind="sweep",
                                       started_at=started_at, params=params,
-                                      events=prepared.rows, lines=prepared.lines)
+                                      lines=prepared.rows, events=prepared.events.num_rows)
         else:
             name = f"_sweep_events_{run_id.rsplit('-', 1)[-1]}"
             self.conn.register(name, prepared.events)
             try:
-                lines_sql = (f"(SELECT event_id, realm, billing_account_id, occurred_at,"
-                             " l.k AS line_key, l.q AS quantity_minor, l.p AS price_key"
-                             f" FROM (SELECT *, unnest(lines) AS l FROM {name}))")
+                lines_sql = "(" + " UNION ALL ".join(
+                    f"SELECT event_id, realm, billing_account_id, occurred_at, k{j} AS line_key,"
+                    f" q{j} AS quantity_minor, p{j} AS price_key FROM {name} WHERE k{j} IS NOT NULL"
+                    for j in range(self.slots)) + ")"
                 summary = write_run(self.conn, run_id=run_id, kind="sweep", started_at=started_at,
                                     params=params, events=prepared.events.num_rows,
                                     rows_sql=event_rows_sql(run_id, started_at, lines_sql))
             finally:
                 self.conn.unregister(name)
-        return RunSummary(summary.run_id, summary.kind, summary.events, summary.lines,
+        return RunSummary(run_id, summary.kind, summary.events, summary.lines,
                           time.monotonic() - prepared.began)
+
+
+def _array(column: pa.ChunkedArray | pa.Array) -> pa.Array:
+    return column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+
+
+@dataclass(frozen=True)
+class SlotLines:
+    """The lines of a table of rated events in slots, one entry per line, slot by slot."""
+
+    parent: np.ndarray  # the event's row
+    line_key: np.ndarray
+    quantity: pa.Array  # int64, NULL for a line without one
+    price_key: np.ndarray  # -1 without a price row
+    amount: pa.Array  # amount_xusd (NULL without a quantity), carried
+    accounts: pa.DictionaryArray  # the events' billing accounts, encoded (not per line)
+
+
+def slot_lines(events: pa.Table, slots: int, terms: PriceTerms) -> SlotLines:
+    """Every line of `events` (columns of `RatingPlan.slots_sql` with `slots` slots) and its
+    amount, carried per (account, price row) in occurred_at order (`carry_shares`; raises
+    `CarryOutOfRange` for sums that might leave int64)."""
+    parents: list[np.ndarray] = []
+    keys: list[np.ndarray] = []
+    quantities: list[pa.Array] = [pa.array([], type=pa.int64())]
+    prices: list[np.ndarray] = []
+    for j in range(slots):
+        key = _array(events.column(f"k{j}"))
+        rows = np.flatnonzero(np.asarray(key.is_valid()))
+        if not len(rows):
+            continue
+        taken = pa.array(rows)
+        parents.append(rows)
+        keys.append(np.asarray(key.take(taken)).astype(np.int64))
+        quantities.append(_array(events.column(f"q{j}")).take(taken).cast(pa.int64()))
+        prices.append(np.asarray(pc.fill_null(_array(events.column(f"p{j}")).take(taken), -1))
+                      .astype(np.int64))
+    empty = np.zeros(0, dtype=np.int64)
+    parent = np.concatenate(parents) if parents else empty
+    line_key = np.concatenate(keys) if keys else empty
+    price_key = np.concatenate(prices) if prices else empty
+    quantity = pa.concat_arrays(quantities)
+    event_ids = events.column("event_id")
+
+    def tie_break(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        high, low = uuid_words(event_ids, parent[rows])
+        return high, low, line_key[rows]
+
+    accounts = pc.dictionary_encode(_array(events.column("billing_account_id")))
+    amount = carry_shares(np.asarray(accounts.indices).astype(np.int64)[parent],
+                          micros(events.column("occurred_at"))[parent],
+                          quantity, price_key, terms, tie_break)
+    return SlotLines(parent, line_key, quantity, price_key, amount, accounts)
 
 
 @dataclass
@@ -223,7 +274,6 @@ class _Prepared:
     began: float
     events: pa.Table  # the chunk's rated events, as read
     rows: pa.Table | None = None  # what rating_lines gets; None: price in SQL (HUGEINT)
-    lines: int = 0
 
 
 def sweep(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, lock: RatingLock, *,
@@ -269,7 +319,7 @@ def sweep_locked(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, *,
         pending = (f"({pending[1:-1]} UNION ALL SELECT e.* FROM lake.events AS e ANTI JOIN"
                    f" ({rated_events_sql()}) AS r ON r.event_id = e.event_id"
                    " WHERE e.export_id IS NULL)")
-    rated = plan.lines_sql(pending, per_event=True)
+    rated = plan.slots_sql(pending)
     writer = _RunWriter(conn, plan)
     # UUIDs reach Arrow as 16 bytes, not text (the carry orders ties by them).
     lossless = conn.execute("SELECT current_setting('arrow_lossless_conversion')").fetchone()
@@ -313,7 +363,7 @@ def _sweep_chunks(conn: duckdb.DuckDBPyConnection, writer: _RunWriter, rated: st
                   chunks: list[Chunk], *, through: int, read_at: datetime, scratch: Path | None,
                   progress: Progress | None) -> list[RunSummary]:
     """More than one chunk: one scan rates every pending event and stages the rated events
-    (one row each, its priced lines in a list) with their chunk; then each chunk becomes a
+    (one row each, its priced lines in slots) with their chunk; then each chunk becomes a
     run. The stage is a table in memory while the events fit in three quarters of DuckDB's
     memory limit, else a scratch folder of Parquet, one partition per chunk (uncompressed:
     they are read once, soon), so memory stays flat however many events wait.
@@ -356,7 +406,7 @@ def _sweep_chunks(conn: duckdb.DuckDBPyConnection, writer: _RunWriter, rated: st
 
         def prepare(index: int) -> _Prepared:
             return writer.prepare(
-                reader.sql(f"SELECT {_EVENT_COLUMNS} FROM {source(index)}").to_arrow_table())
+                reader.sql(f"SELECT {writer.columns()} FROM {source(index)}").to_arrow_table())
 
         runs: list[RunSummary] = []
         done = 0

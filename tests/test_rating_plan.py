@@ -20,7 +20,9 @@ from hypothesis import strategies as st
 from pipelines.catalog import load_catalog
 from pipelines.pricing import PriceRow, price_line
 from pipelines.rating import EventFacts, evaluate, parse_policy
+from pipelines.carry import PriceTerms
 from pipelines.rating_plan import PlannedPrice, RatingPlan, amounts_sql, described_sql, priced_sql
+from pipelines.sweep import slot_lines
 from tests.lake_events import catalog_toml, policy, price, single
 
 V1_AT = "2026-01-01T00:00:00Z"
@@ -151,6 +153,22 @@ def test_the_plan_rates_and_prices_like_the_reference(plan: RatingPlan, duck: du
         f" quantity_minor, amount_xusd FROM ({described_sql('(' + amounts_sql(priced, 'event_id, line_key') + ')')})"
     ).fetchall()
     assert sorted(got, key=repr) == expected(plan, rows)
+    # The sweep's route: one row per event with its lines in slots, carried in numpy.
+    duck.execute("SET arrow_lossless_conversion = true")
+    try:
+        slotted = duck.sql(plan.slots_sql("events")).to_arrow_table()
+    finally:
+        duck.execute("SET arrow_lossless_conversion = false")
+    lines = slot_lines(slotted, plan.slot_count(), PriceTerms.of(plan.price_terms()))
+    event_ids = slotted.column("event_id").to_pylist()
+    swept = []
+    for row, key, quantity, amount in zip(lines.parent.tolist(), lines.line_key.tolist(),
+                                          lines.quantity.to_pylist(), lines.amount.to_pylist(),
+                                          strict=True):
+        spec = plan.lines[key]
+        swept.append((str(event_ids[row]), spec.status, spec.policy_id, spec.policy_version,
+                      spec.meter_code, quantity, amount))
+    assert sorted(swept, key=repr) == expected(plan, rows)
 
 
 @settings(max_examples=100, deadline=None)
