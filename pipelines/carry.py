@@ -118,6 +118,17 @@ def carry_shares(accounts: np.ndarray, occurred: np.ndarray, quantity: pa.Array,
     priced = (price_key >= 0) & has_quantity
     if not priced.any():
         return pa.array(amount, type=pa.int64(), mask=~has_quantity)
+    # A price row of one-unit blocks (R(x) = x) charges p * q whatever came before: its
+    # lines need no order and no running sum.
+    linear_row = (terms.a == 1) & (terms.b == 0) & (terms.d == 1)
+    if linear_row.any():
+        linear = priced & linear_row[np.maximum(price_key, 0)]
+        if linear.any():
+            at = np.flatnonzero(linear)
+            amount[at] = terms.unit_price[price_key[at]] * q[at]
+            priced &= ~linear
+            if not priced.any():
+                return pa.array(amount, type=pa.int64(), mask=~has_quantity)
     # Carry groups are (account, price row): the accounts split into independent parts,
     # carried on threads of their own (numpy leaves the GIL in its loops): the other core
     # idles otherwise while the carry runs.
@@ -143,8 +154,7 @@ def _carry_part(rows: np.ndarray, accounts: np.ndarray, occurred: np.ndarray, q:
     """Set `amount` at `rows` (priced lines, every line of their accounts' groups)."""
     price_rows = len(terms.unit_price)
     # Groups price row major, (price key, account), so each price row's lines are one slice
-    # of the order, where its terms are scalars. A one-unit block is no exception: its
-    # (a, b, d) = (1, 0, 1) makes the formula p * q.
+    # of the order, where its terms are scalars.
     width = int(accounts.max()) + 1
     group = price_key[rows] * width + accounts[rows]
     order, ordered_group = _carry_order(group, occurred[rows], rows, tie_break)
@@ -161,10 +171,7 @@ def _carry_part(rows: np.ndarray, accounts: np.ndarray, occurred: np.ndarray, q:
         if lo == hi:
             continue
         a, b, d, p = (int(terms.a[k]), int(terms.b[k]), int(terms.d[k]), int(terms.unit_price[k]))
-        if d == 1 and a == 1 and b == 0:
-            share[lo:hi] = p * q_sorted[lo:hi]
-        else:
-            share[lo:hi] = p * ((a * after[lo:hi] + b) // d - (a * before[lo:hi] + b) // d)
+        share[lo:hi] = p * ((a * after[lo:hi] + b) // d - (a * before[lo:hi] + b) // d)
     amount[rows[order]] = share
 
 

@@ -43,6 +43,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.dataset  # noqa: F401 (DuckDB imports it to scan an Arrow table: once, here)
 
 from pipelines.carry import CarryOutOfRange, PriceTerms, carry_shares, micros, uuid_words
 from pipelines.rating_plan import LINE_CATALOG, RatingPlan, amounts_sql, sql_instant
