@@ -142,6 +142,8 @@ class _RunWriter:
     def __init__(self, conn: duckdb.DuckDBPyConnection, plan: RatingPlan) -> None:
         self.conn = conn
         self.slots = plan.slot_count()
+        self.slot_columns = plan.slot_columns()
+        self.slot_bytes = plan.slot_bytes()
         self.terms = PriceTerms.of(plan.price_terms())
         kinds, self.kind_ids = plan.priced_kinds()
         self.width = len(plan.prices) + 1
@@ -154,8 +156,7 @@ class _RunWriter:
 
     def columns(self) -> str:
         """The columns of `slots_sql` the writer reads."""
-        slots = ", ".join(f"k{j}, q{j}, p{j}" for j in range(self.slots))
-        return f"event_id, realm, billing_account_id, occurred_at, {slots}"
+        return f"event_id, realm, billing_account_id, occurred_at, {', '.join(self.slot_columns)}"
 
     def _line_ids(self, line_key: np.ndarray, price_key: np.ndarray) -> np.ndarray:
         pair = line_key * self.width + price_key + 1
@@ -202,9 +203,12 @@ class _RunWriter:
             name = f"_sweep_events_{run_id.rsplit('-', 1)[-1]}"
             self.conn.register(name, prepared.events)
             try:
+                def column(name_: str, kind: str) -> str:
+                    return name_ if name_ in self.slot_columns else f"CAST(NULL AS {kind})"
                 lines_sql = "(" + " UNION ALL ".join(
                     f"SELECT event_id, realm, billing_account_id, occurred_at, k{j} AS line_key,"
-                    f" q{j} AS quantity_minor, p{j} AS price_key FROM {name} WHERE k{j} IS NOT NULL"
+                    f" {column(f'q{j}', 'BIGINT')} AS quantity_minor,"
+                    f" {column(f'p{j}', 'INTEGER')} AS price_key FROM {name} WHERE k{j} IS NOT NULL"
                     for j in range(self.slots)) + ")"
                 summary = write_run(self.conn, run_id=run_id, kind="sweep", started_at=started_at,
                                     params=params, events=prepared.events.num_rows,
@@ -239,6 +243,7 @@ def slot_lines(events: pa.Table, slots: int, terms: PriceTerms) -> SlotLines:
     keys: list[np.ndarray] = []
     quantities: list[pa.Array] = [pa.array([], type=pa.int64())]
     prices: list[np.ndarray] = []
+    names = set(events.column_names)
     for j in range(slots):
         key = _array(events.column(f"k{j}"))
         rows = np.flatnonzero(np.asarray(key.is_valid()))
@@ -247,9 +252,11 @@ def slot_lines(events: pa.Table, slots: int, terms: PriceTerms) -> SlotLines:
         taken = pa.array(rows)
         parents.append(rows)
         keys.append(np.asarray(key.take(taken)).astype(np.int64))
-        quantities.append(_array(events.column(f"q{j}")).take(taken).cast(pa.int64()))
+        # A slot no policy puts a quantity or price in has no column for it.
+        quantities.append(_array(events.column(f"q{j}")).take(taken).cast(pa.int64())
+                          if f"q{j}" in names else pa.nulls(len(rows), pa.int64()))
         prices.append(np.asarray(pc.fill_null(_array(events.column(f"p{j}")).take(taken), -1))
-                      .astype(np.int64))
+                      .astype(np.int64) if f"p{j}" in names else np.full(len(rows), -1, np.int64))
     empty = np.zeros(0, dtype=np.int64)
     parent = np.concatenate(parents) if parents else empty
     line_key = np.concatenate(keys) if keys else empty
@@ -342,9 +349,11 @@ def sweep_locked(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, *,
         conn.execute(f"SET arrow_lossless_conversion = {bool(lossless and lossless[0])}")
 
 
-# Rated events staged in memory take about this much of DuckDB's memory each (measured:
-# 5 M events of the benchmark's mix held ~650 MB).
-_STAGED_EVENT_BYTES = 130
+# A rated event staged in memory takes its columns' width (event_id, realm and account
+# 16 bytes each, occurred_at 8, chunk 4, then its slots) times this much of DuckDB's memory
+# (measured: 5 M events of the benchmark's mix, 88 bytes wide, held 574 MB).
+_STAGE_OVERHEAD = 1.35
+_STAGED_EVENT_BYTES = 60
 _STAGE_TABLE = "_sweep_stage"
 
 
@@ -372,7 +381,8 @@ def _sweep_chunks(conn: duckdb.DuckDBPyConnection, writer: _RunWriter, rated: st
     chunk back; into Parquet 4.1 s and 0.09 s a chunk. Streaming the rows to Python instead
     took 5.4 s (DuckDB's Arrow stream runs on one thread), and a table ordered by chunk 4.4 s."""
     total = sum(c.events for c in chunks)
-    in_memory = total * _STAGED_EVENT_BYTES <= _memory_limit(conn) * 3 // 4
+    staged = (_STAGED_EVENT_BYTES + writer.slot_bytes) * _STAGE_OVERHEAD
+    in_memory = total * staged <= _memory_limit(conn) * 3 // 4
     found = conn.execute("SELECT current_database()").fetchone()
     stage = f'"{found[0] if found else "memory"}".main.{_STAGE_TABLE}'
     if scratch is not None:
