@@ -477,4 +477,3 @@ def test_a_sweep_of_many_chunks_carries_each_account_whole(lake: Any, monkeypatc
                " GROUP BY ALL ORDER BY 1")
     assert got == [(account, [0, 150, 0, 150], 1) for account in accounts]
     assert spill.is_dir() and not list(spill.iterdir())  # the stage is gone
-    assert rows(conn, "SELECT count(*) FROM duckdb_tables() WHERE table_name = '_sweep_stage'") == [(0,)]
