@@ -260,13 +260,54 @@ class _JsonReads:
                                             f" THEN CAST(_t{index} AS {cast}) ELSE {text} END)")
         return sql
 
+    def _leaves(self) -> dict[int, tuple[str, list[str]]]:
+        """The paths read from a `json_transform` tree (see `layers`): index -> (column, keys)."""
+        found: dict[int, tuple[str, list[str]]] = {}
+        for column in ("payload", "labels"):
+            mine = sorted((i, path) for (col, path), i in self.paths.items() if col == column)
+            _, leaves, _ = _object_tree([(i, _json_path_parts(path)) for i, path in mine])
+            found.update((i, (column, keys)) for i, keys in leaves.items())
+        return found
+
+    def finish(self, sql: str) -> str:
+        """`sql` (rewritten) reading the paths of a `json_transform` tree from their leaf's
+        JSON text `_j{i}`: a JSON integer of up to 18 characters (the text yyjson writes for
+        a BIGINT or UBIGINT value, whatever the payload spelled) is cast straight from it;
+        any other value goes through the coercion with `json_type` / `json_extract_string`
+        of the leaf, computed for that value only (for every event, both cost the sweep's
+        query more than all of its JSON parsing)."""
+        leaves = self._leaves()
+        if not leaves:
+            return sql
+        # The fast paths `coerce` wrote (quoted as they are, no string literal holds them).
+        for i in leaves:
+            for cast in ("BIGINT", "DOUBLE"):
+                sql = sql.replace(
+                    f"CASE WHEN _k{i} IN ('BIGINT', 'UBIGINT') AND length(_t{i}) <= 18"
+                    f" THEN CAST(_t{i} AS {cast})",
+                    f"CASE WHEN regexp_full_match(_j{i}, '-?[0-9]{{1,18}}') THEN CAST(_j{i} AS {cast})")
+        out: list[str] = []
+        pos = 0
+        for literal in [*_LITERAL.finditer(sql), None]:
+            end = len(sql) if literal is None else literal.start()
+            code = sql[pos:end]
+            for i in leaves:
+                code = re.sub(rf"\b_k{i}\b", f"json_type(_j{i})", code)
+                code = re.sub(rf"\b_t{i}\b", f"json_extract_string(_j{i}, '$')", code)
+            out.append(code)
+            if literal is not None:
+                out.append(literal.group(0))
+                pos = literal.end()
+        return "".join(out)
+
     def layers(self) -> list[str]:
         """The select lists that add the hoisted columns, innermost first.
 
         Paths of object keys only are read with one `json_transform` into a struct of JSON
-        leaves (one parse, the cheapest read measured here); a path with an array index, a
-        key that is also a leaf's parent, or keys equal but for case (struct fields are
-        matched without case) is read with `json_type` / `json_extract_string` over a list."""
+        leaves (one parse, the cheapest read measured here), each leaf's JSON text as
+        `_j{i}` (see `finish`); a path with an array index, a key that is also a leaf's
+        parent, or keys equal but for case (struct fields are matched without case) is
+        read with `json_type` / `json_extract_string` over a list, as `_k{i}` / `_t{i}`."""
         extract: list[str] = []
         reads: list[str] = []
         for column in ("payload", "labels"):
@@ -284,7 +325,7 @@ class _JsonReads:
                                f" AS _{column}_tree")
                 for i, keys in leaves.items():
                     leaf = f"_{column}_tree" + "".join(_field(k) for k in keys)
-                    reads.append(f"json_type({leaf}) AS _k{i}, json_extract_string({leaf}, '$') AS _t{i}")
+                    reads.append(f"CAST({leaf} AS VARCHAR) AS _j{i}")
             if listed:
                 paths = ", ".join(path for i, path in mine if i in listed)
                 extract.append(
@@ -562,7 +603,8 @@ class RatingPlan:
                       f" THEN {_SEVERAL} ELSE coalesce({', '.join(names.values())}) END")
         else:
             choice = str(_NO_POLICY)
-        rated = items(reads)
+        rated = reads.finish(items(reads))
+        matched = {key: reads.finish(sql) for key, sql in matched.items()}
         # The text of occurred_at is computed only when a policy reads {event: occurred_at}:
         # formatting it for every event cost a sixth of a sweep.
         compiled = _LITERAL.sub("''", " ".join([*matched.values(), rated]))

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from pipelines.catalog import load_catalog
 from pipelines.pricing import PriceRow, price_line
 from pipelines.rating import EventFacts, evaluate, parse_policy
-from pipelines.carry import PriceTerms
+from pipelines.carry import CarryOutOfRange, PriceTerms
 from pipelines.rating_plan import PlannedPrice, RatingPlan, amounts_sql, described_sql, priced_sql
 from pipelines.sweep import slot_lines
 from tests.lake_events import catalog_toml, policy, price, single
@@ -51,6 +51,10 @@ PRICES = (price("tokens.in", 150, 1000, V1_AT) + price("tokens.in", 170, 700, V2
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-10, 10_000),
                     st.sampled_from([0.5, 12.7, -3.0, 1e3, 5000.0]),
+                    # Integers around the sweep's fast path (up to 18 characters of JSON
+                    # text) and beyond int64 and uint64, and doubles written as integers.
+                    st.sampled_from([10 ** 17 + 3, 10 ** 18 - 1, -(10 ** 17) - 3, 10 ** 18 + 7,
+                                     2 ** 63 - 1, -(2 ** 63), 2 ** 64 - 1, 10 ** 25, 1e19, -0.0]),
                     st.sampled_from(["12", " 7 ", "x", "", "5000", "1e3", "m1", "gold", "3"]))
 payloads = st.fixed_dictionaries({}, optional={
     "usage": st.one_of(scalars, st.fixed_dictionaries({}, optional={
@@ -134,7 +138,7 @@ def expected(plan: RatingPlan, rows: list[dict[str, Any]]) -> list[tuple[Any, ..
     return sorted(out, key=repr)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(events)
 def test_the_plan_rates_and_prices_like_the_reference(plan: RatingPlan, duck: duckdb.DuckDBPyConnection,
                                                       drawn: list[Any]) -> None:
@@ -159,7 +163,10 @@ def test_the_plan_rates_and_prices_like_the_reference(plan: RatingPlan, duck: du
         slotted = duck.sql(plan.slots_sql("events")).to_arrow_table()
     finally:
         duck.execute("SET arrow_lossless_conversion = false")
-    lines = slot_lines(slotted, plan.slot_count(), PriceTerms.of(plan.price_terms()))
+    try:
+        lines = slot_lines(slotted, plan.slot_count(), PriceTerms.of(plan.price_terms()))
+    except CarryOutOfRange:
+        return  # the sweep prices such a run with the SQL window: what was checked above
     event_ids = slotted.column("event_id").to_pylist()
     swept = []
     for row, key, quantity, amount in zip(lines.parent.tolist(), lines.line_key.tolist(),
