@@ -28,13 +28,16 @@ import os
 import secrets
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from types import TracebackType
 
 import duckdb
+import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from pipelines.rating_plan import LINE_CATALOG
 from warehouse.lake import transaction, with_lake_retry
@@ -222,32 +225,91 @@ def record_kinds(conn: duckdb.DuckDBPyConnection, rows: list[tuple[object, ...]]
     with_lake_retry(insert)
 
 
+def lines_folder(conn: duckdb.DuckDBPyConnection) -> Path | None:
+    """The folder DuckLake keeps lake.rating_lines' data files in, or None when its catalog
+    does not say (a path not relative to the lake's data path)."""
+    row = conn.execute(
+        "SELECT m.value, s.path, s.path_is_relative, t.path, t.path_is_relative"
+        " FROM __ducklake_metadata_lake.ducklake_table AS t"
+        " JOIN __ducklake_metadata_lake.ducklake_schema AS s ON s.schema_id = t.schema_id"
+        " JOIN __ducklake_metadata_lake.ducklake_metadata AS m ON m.key = 'data_path'"
+        " WHERE t.table_name = 'rating_lines' AND t.end_snapshot IS NULL"
+        " AND s.end_snapshot IS NULL AND s.schema_name = 'main'").fetchone()
+    if row is None or not (row[2] and row[4]) or not row[0]:
+        return None
+    return Path(str(row[0])) / str(row[1]) / str(row[3])
+
+
+# Rows per Parquet row group of the lines files (DuckDB's own row groups hold 122,880).
+_ROW_GROUP = 1 << 17
+
+
+def _write_parquet(lines: pa.Table, run_id: str, folder: Path, parts: int) -> list[Path]:
+    """`lines` with its run_id column in `parts` Parquet files (one thread each), named
+    after the run so a file left by a crash is recognisably one run's."""
+    folder.mkdir(parents=True, exist_ok=True)
+    count = lines.num_rows
+    step = -(-count // parts)
+    slices = [lines.slice(first, step) for first in range(0, count, step)]
+    paths = [folder / f"{run_id}-{n}.parquet" for n in range(len(slices))]
+
+    def write(n: int) -> None:
+        rows = slices[n]
+        run = pa.DictionaryArray.from_arrays(pa.array(np.zeros(rows.num_rows, dtype=np.int32)),
+                                             pa.array([run_id]))
+        pq.write_table(rows.add_column(0, "run_id", run), paths[n], compression="snappy",
+                       row_group_size=_ROW_GROUP,
+                       use_dictionary=["run_id", "realm", "billing_account_id"])
+
+    with ThreadPoolExecutor(len(slices)) as pool:
+        list(pool.map(write, range(len(slices))))
+    return paths
+
+
 def write_lines_run(conn: duckdb.DuckDBPyConnection, *, run_id: str, kind: str,
                     started_at: datetime, params: Mapping[str, object], lines: pa.Table,
-                    events: int) -> RunSummary:
+                    events: int, folder: Path | None = None) -> RunSummary:
     """Append `lines` (columns event_id, realm, billing_account_id, occurred_at, line_id,
     quantity_minor, amount_xusd; kinds already recorded) to lake.rating_lines under `run_id`,
     and the run's completed lake.rating_runs row (`events` events rated), in one lake
-    transaction (run again when the SQLite catalog is busy, like `write_run`). Hand `lines`
-    over in batches of a few hundred thousand rows: DuckDB scans an Arrow table one batch
-    per thread, and writes the Parquet as fast as it reads."""
+    transaction (run again when the SQLite catalog is busy, like `write_run`).
+
+    With `folder` (`lines_folder`), pyarrow writes the Parquet files there, two at a time,
+    and the transaction adds them to the table (`ducklake_add_data_files`): measured on
+    1.6 M lines, 0.38 CPU seconds against 0.56 for DuckDB's INSERT. A file of a
+    transaction that did not commit is removed; one left by a crash is an orphan that
+    `compact-lake` deletes. Without, the rows are INSERTed (hand `lines` over in batches:
+    DuckDB scans an Arrow table one batch per thread)."""
     began = time.monotonic()
     name = f"_run_lines_{run_id.rsplit('-', 1)[-1]}"
-    conn.register(name, lines)
+    paths = (_write_parquet(lines, run_id, folder, 2 if lines.num_rows >= _ROW_GROUP else 1)
+             if folder is not None and lines.num_rows else [])
+    if folder is None:
+        conn.register(name, lines)
+    committed = False
     try:
         def write() -> None:
             with transaction(conn):
-                conn.execute(
-                    f"INSERT INTO lake.rating_lines SELECT '{run_id}', event_id, realm,"
-                    " billing_account_id, occurred_at, line_id, quantity_minor, amount_xusd"
-                    f" FROM {name}")
+                if paths:
+                    conn.execute("CALL ducklake_add_data_files('lake', 'rating_lines', ?)",
+                                 [[str(path) for path in paths]])
+                elif folder is None:
+                    conn.execute(
+                        f"INSERT INTO lake.rating_lines SELECT '{run_id}', event_id, realm,"
+                        " billing_account_id, occurred_at, line_id, quantity_minor, amount_xusd"
+                        f" FROM {name}")
                 conn.execute(
                     "INSERT INTO lake.rating_runs VALUES (?, ?, 'completed', ?, ?, ?, ?, ?)",
                     [run_id, kind, started_at, datetime.now(timezone.utc),
                      json.dumps(dict(params), sort_keys=True), events, lines.num_rows])
         with_lake_retry(write, attempts=10)
+        committed = True
     finally:
-        conn.unregister(name)
+        if folder is None:
+            conn.unregister(name)
+        if not committed:
+            for path in paths:
+                path.unlink(missing_ok=True)
     return RunSummary(run_id, kind, events, lines.num_rows, time.monotonic() - began)
 
 

@@ -52,6 +52,7 @@ from pipelines.rating_runs import (
     RatingLock,
     RunSummary,
     batch_runs_sql,
+    lines_folder,
     new_run_id,
     rated_events_sql,
     record_kinds,
@@ -153,6 +154,7 @@ class _RunWriter:
                                     dtype=np.int64)
                            if len(plan.lines) * self.width <= _DENSE_KINDS else None)
         record_kinds(conn, kinds, PRICED_KIND_COLUMNS)
+        self.folder = lines_folder(conn)
 
     def columns(self) -> str:
         """The columns of `slots_sql` the writer reads."""
@@ -198,7 +200,8 @@ class _RunWriter:
         if prepared.rows is not None:
             summary = write_lines_run(self.conn, run_id=run_id, kind="sweep",
                                       started_at=started_at, params=params,
-                                      lines=prepared.rows, events=prepared.events.num_rows)
+                                      lines=prepared.rows, events=prepared.events.num_rows,
+                                      folder=self.folder)
         else:
             name = f"_sweep_events_{run_id.rsplit('-', 1)[-1]}"
             self.conn.register(name, prepared.events)

@@ -15,7 +15,7 @@ import pytest
 
 from pipelines.aggregate_days import close_aggregate_days
 from pipelines.rating_plan import RatingPlan
-from pipelines.rating_runs import RatingLock, current_ratings_sql
+from pipelines.rating_runs import RatingLock, current_ratings_sql, lines_folder
 from pipelines.rerate import rerate
 from pipelines.sweep import sweep
 from tests.lake_events import (
@@ -317,6 +317,16 @@ def test_a_run_that_dies_mid_way_leaves_nothing_and_the_next_sweep_resumes(lake:
     [(runs, rated)] = rows(conn, "SELECT count(DISTINCT run_id), count(DISTINCT source_id) FROM lake.ratings")
     assert (runs, rated) == (1, 10)
     assert rows(conn, "SELECT count(*) FROM lake.rating_runs") == [(1,)]
+    # The lines files pyarrow wrote for the run that died are gone with it; the first
+    # run's are the table's.
+    folder = lines_folder(conn)
+    assert folder is not None
+    on_disk = {path.name for path in folder.glob("*.parquet")}
+    tracked = {name for (name,) in rows(
+        conn, "SELECT f.path FROM __ducklake_metadata_lake.ducklake_data_file AS f"
+        " JOIN __ducklake_metadata_lake.ducklake_table AS t USING (table_id)"
+        " WHERE t.table_name = 'rating_lines'")}
+    assert on_disk and on_disk == tracked
 
     [resumed] = sweep(conn, plan, lock(data_dir), chunk_events=10)
     assert resumed.events == 10
