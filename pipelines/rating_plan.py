@@ -520,13 +520,13 @@ class RatingPlan:
             f"CREATE OR REPLACE TEMP TABLE {LINE_CATALOG} (line_key INTEGER, status VARCHAR,"
             " policy_id VARCHAR, policy_version VARCHAR, feature_code VARCHAR,"
             " meter_code VARCHAR, line_index INTEGER, line_id BIGINT)")
-        _insert_rows(conn, LINE_CATALOG,
+        insert_rows(conn, LINE_CATALOG,
                      [(s.key, s.status, s.policy_id, s.policy_version, s.feature_code,
                        s.meter_code, s.line_index, line_id(s)) for s in self.lines])
         conn.execute(
             f"CREATE OR REPLACE TEMP TABLE {PRICE_ROWS} (price_key INTEGER, price_id VARCHAR,"
             " unit_price_xusd BIGINT, unit_quantity_minor BIGINT, _a BIGINT, _b BIGINT, _d BIGINT)")
-        _insert_rows(conn, PRICE_ROWS,
+        insert_rows(conn, PRICE_ROWS,
                      [(p.key, p.price_id, p.unit_price_xusd, p.unit_quantity_minor,
                        *_rounding_terms(p)) for p in self.prices])
         conn.execute(
@@ -536,7 +536,7 @@ class RatingPlan:
                 for spec in self.lines if spec.status == "rated"
                 for price in self.prices
                 if (price.realm, price.meter_code) == (spec.realm, spec.meter_code)]
-        _insert_rows(conn, LINE_PRICES, rows)
+        insert_rows(conn, LINE_PRICES, rows)
         # The latest row is in force for ever: an open end would turn the join's range
         # condition into an OR, which DuckDB can only run as a nested loop.
         conn.execute(f"UPDATE {LINE_PRICES} SET effective_until = {_FAR_FUTURE}"
@@ -731,13 +731,15 @@ class RatingPlan:
         )
 
 
-def _insert_rows(conn: duckdb.DuckDBPyConnection, table: str, rows: list[tuple[object, ...]]) -> None:
-    """INSERT the rows in statements of up to 200 rows (executemany runs one statement a
-    row, a few milliseconds each)."""
+def insert_rows(conn: duckdb.DuckDBPyConnection, table: str, rows: list[tuple[object, ...]],
+                columns: str | None = None) -> None:
+    """INSERT the rows (into `columns` when given) in statements of up to 200 rows
+    (executemany runs one statement a row, a few milliseconds each)."""
+    target = f"{table} ({columns})" if columns else table
     for first in range(0, len(rows), 200):
         batch = rows[first:first + 200]
         marks = ", ".join("(" + ", ".join("?" for _ in batch[0]) + ")" for _ in batch)
-        conn.execute(f"INSERT INTO {table} VALUES {marks}", [v for row in batch for v in row])
+        conn.execute(f"INSERT INTO {target} VALUES {marks}", [v for row in batch for v in row])
 
 
 # ---- prices ---------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipelines.rating_plan import LINE_CATALOG
+from pipelines.rating_plan import LINE_CATALOG, insert_rows
 from warehouse.lake import transaction, with_lake_retry
 
 __all__ = [
@@ -216,12 +216,9 @@ def record_kinds(conn: duckdb.DuckDBPyConnection, rows: list[tuple[object, ...]]
     missing = [row for row in rows if row[0] not in known]
     if not missing:
         return
-    marks = ", ".join("?" for _ in missing[0])
-
     def insert() -> None:
         with transaction(conn):
-            conn.executemany(f"INSERT INTO lake.rating_line_kinds ({columns}) VALUES ({marks})",
-                             missing)
+            insert_rows(conn, "lake.rating_line_kinds", missing, columns)
     with_lake_retry(insert)
 
 
