@@ -418,7 +418,7 @@ def test_a_day_deferred_under_a_policy_the_catalog_dropped_waits_and_is_named(
                 [run.run_id]) == [("acct_a/seats.snapshot/2026-11-01", 3, 3_000_000)]
 
 
-@pytest.mark.parametrize("kinds", ["table", "distinct pairs"])
+@pytest.mark.parametrize("kinds", ["table", "distinct pairs", "inserted"])
 def test_a_sweep_writes_narrow_lines_that_read_like_every_other_rating(lake: Any, monkeypatch: Any,
                                                                      kinds: str) -> None:
     # 700 + 700 input tokens at 150 per 1000 (floor) in occurred_at order: 0 then 150.
@@ -426,6 +426,8 @@ def test_a_sweep_writes_narrow_lines_that_read_like_every_other_rating(lake: Any
 
     if kinds == "distinct pairs":  # as for a catalog of many realms
         monkeypatch.setattr(sweep_module, "_DENSE_KINDS", 0)
+    if kinds == "inserted":  # a lake whose catalog does not name the table's folder
+        monkeypatch.setattr(sweep_module, "lines_folder", lambda conn: None)
     data_dir, feed, conn = lake
     plan = apply_catalog(data_dir, catalog_toml(
         policies=policy("llm", ("v1", "2026-01-01T00:00:00Z", LLM_V1)), prices=PRICES))
@@ -433,6 +435,10 @@ def test_a_sweep_writes_narrow_lines_that_read_like_every_other_rating(lake: Any
                              llm("acct_a", "2026-11-01T00:00:01Z", 700))
     [run] = sweep(conn, plan, lock(data_dir))
     assert rows(conn, "SELECT count(*) FROM lake.rating_lines") == [(4,)]
+    folder = lines_folder(conn)
+    assert folder is not None
+    written = [path.name for path in folder.glob(f"{run.run_id}-*.parquet")]
+    assert len(written) == (0 if kinds == "inserted" else 1)  # pyarrow's file, or DuckDB's
     assert rows(conn, "SELECT count(*) FROM lake.rating_rows WHERE run_id = ?", [run.run_id]) == [(0,)]
     started = rows(conn, "SELECT started_at FROM lake.rating_runs WHERE run_id = ?", [run.run_id])[0][0]
     tag = run.run_id.rsplit("-", 1)[-1]
