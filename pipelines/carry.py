@@ -27,7 +27,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-__all__ = ["CarryOutOfRange", "PriceTerms", "account_numbers", "carry_amounts", "carry_shares", "micros", "uuid_words"]
+__all__ = ["CarryOutOfRange", "PriceTerms", "account_numbers", "carry_amounts", "carry_shares", "contiguous",
+           "micros", "uuid_words"]
 
 # Bounds for the int64 fast path, with a margin below 2^63 for the rounding terms.
 _SUM_LIMIT = 2 ** 60
@@ -84,7 +85,8 @@ def uuid_words(column: pa.ChunkedArray | pa.Array, rows: np.ndarray) -> tuple[np
             np.array([i & (2 ** 64 - 1) for i in ints], dtype=np.uint64))
 
 
-def _array(column: pa.ChunkedArray | pa.Array) -> pa.Array:
+def contiguous(column: pa.ChunkedArray | pa.Array) -> pa.Array:
+    """`column` as one array (its chunks combined)."""
     return column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
 
 
@@ -201,12 +203,12 @@ def _carry_order(group: np.ndarray, occurred: np.ndarray, rows: np.ndarray,
 
 def account_numbers(accounts: pa.ChunkedArray | pa.Array) -> np.ndarray:
     """A number per distinct account (first come, first numbered)."""
-    return np.asarray(pc.dictionary_encode(_array(accounts)).indices).astype(np.int64)
+    return np.asarray(pc.dictionary_encode(contiguous(accounts)).indices).astype(np.int64)
 
 
 def micros(instants: pa.ChunkedArray | pa.Array) -> np.ndarray:
     """TIMESTAMP values as int64 microseconds."""
-    array = _array(instants)
+    array = contiguous(instants)
     if array.type.unit != "us":
         array = array.cast(pa.timestamp("us", array.type.tz))
     return _int64(array.cast(pa.int64()), 0)
@@ -223,5 +225,5 @@ def carry_amounts(lines: pa.Table, terms: PriceTerms) -> pa.Array:
         return pa.array([], type=pa.int64())
     return carry_shares(account_numbers(lines.column("billing_account_id")),
                         micros(lines.column("occurred_at")),
-                        _array(lines.column("quantity_minor")),
+                        contiguous(lines.column("quantity_minor")),
                         _int64(lines.column("price_key"), -1), terms, tie_break)

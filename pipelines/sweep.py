@@ -12,9 +12,9 @@
    account. One query rates every pending event (`RatingPlan.slots_sql`: a
    row per event with its priced lines); numpy carries the remainders and prices each line
    (`pipelines.carry`); the lines go to lake.rating_lines. With one chunk that is all; with
-   more, the rated events are staged once with their chunk (a table in memory, or Parquet
-   files past the memory budget), then each chunk is read back, carried and written, the
-   next one read and carried while one commits. Each chunk becomes one run in one lake
+   more, the rated events are staged once with their chunk (an Arrow table in memory, or
+   Parquet files past the memory budget), then each chunk is carried and written, the
+   next one carried while one commits. Each chunk becomes one run in one lake
    transaction (`rating_runs.write_lines_run`): its rows and its rating_runs row land
    together or not at all. A run whose sums might leave int64 is priced by the SQL window
    in HUGEINT instead (`rating_plan.amounts_sql`, rows in lake.rating_rows).
@@ -45,7 +45,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset  # noqa: F401 (DuckDB imports it to scan an Arrow table: once, here)
 
-from pipelines.carry import CarryOutOfRange, PriceTerms, carry_shares, micros, uuid_words
+from pipelines.carry import CarryOutOfRange, PriceTerms, carry_shares, contiguous, micros, uuid_words
 from pipelines.rating_plan import LINE_CATALOG, RatingPlan, amounts_sql, sql_instant
 from pipelines.rating_runs import (
     PRICED_KIND_COLUMNS,
@@ -132,8 +132,6 @@ CLOCK_MARGIN = timedelta(hours=1)
 
 # Up to this many (line, price row) pairs, line kinds are looked up in a table.
 _DENSE_KINDS = 1 << 16
-# Rows per Arrow batch handed to DuckDB: it scans an Arrow table one batch per thread.
-_WRITE_BATCH = 1 << 17
 
 
 class _RunWriter:
@@ -185,16 +183,15 @@ class _RunWriter:
             return prepared  # priced in SQL at commit
         taken = pa.array(lines.parent)
         rows = pa.table({
-            "event_id": _array(events.column("event_id")).take(taken),
-            "realm": pc.dictionary_encode(_array(events.column("realm"))).take(taken),
+            "event_id": contiguous(events.column("event_id")).take(taken),
+            "realm": pc.dictionary_encode(contiguous(events.column("realm"))).take(taken),
             "billing_account_id": lines.accounts.take(taken),
-            "occurred_at": _array(events.column("occurred_at")).take(taken),
+            "occurred_at": contiguous(events.column("occurred_at")).take(taken),
             "line_id": pa.array(self._line_ids(lines.line_key, lines.price_key)),
             "quantity_minor": lines.quantity,
             "amount_xusd": lines.amount,
         })
-        prepared.rows = pa.Table.from_batches(rows.to_batches(max_chunksize=_WRITE_BATCH),
-                                              schema=rows.schema)
+        prepared.rows = rows
         return prepared
 
     def commit(self, prepared: _Prepared, params: dict[str, object]) -> RunSummary:
@@ -225,10 +222,6 @@ class _RunWriter:
                           time.monotonic() - prepared.began)
 
 
-def _array(column: pa.ChunkedArray | pa.Array) -> pa.Array:
-    return column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-
-
 @dataclass(frozen=True)
 class SlotLines:
     """The lines of a table of rated events in slots, one entry per line, slot by slot."""
@@ -251,7 +244,7 @@ def slot_lines(events: pa.Table, slots: int, terms: PriceTerms) -> SlotLines:
     prices: list[np.ndarray] = []
     names = set(events.column_names)
     for j in range(slots):
-        key = _array(events.column(f"k{j}"))
+        key = contiguous(events.column(f"k{j}"))
         rows = np.flatnonzero(np.asarray(key.is_valid()))
         if not len(rows):
             continue
@@ -259,9 +252,9 @@ def slot_lines(events: pa.Table, slots: int, terms: PriceTerms) -> SlotLines:
         parents.append(rows)
         keys.append(np.asarray(key.take(taken)).astype(np.int64))
         # A slot no policy puts a quantity or price in has no column for it.
-        quantities.append(_array(events.column(f"q{j}")).take(taken).cast(pa.int64())
+        quantities.append(contiguous(events.column(f"q{j}")).take(taken).cast(pa.int64())
                           if f"q{j}" in names else pa.nulls(len(rows), pa.int64()))
-        prices.append(np.asarray(pc.fill_null(_array(events.column(f"p{j}")).take(taken), -1))
+        prices.append(np.asarray(pc.fill_null(contiguous(events.column(f"p{j}")).take(taken), -1))
                       .astype(np.int64) if f"p{j}" in names else np.full(len(rows), -1, np.int64))
     empty = np.zeros(0, dtype=np.int64)
     parent = np.concatenate(parents) if parents else empty
@@ -274,7 +267,7 @@ def slot_lines(events: pa.Table, slots: int, terms: PriceTerms) -> SlotLines:
         high, low = uuid_words(event_ids, parent[rows])
         return high, low, line_key[rows]
 
-    accounts = pc.dictionary_encode(_array(events.column("billing_account_id")))
+    accounts = pc.dictionary_encode(contiguous(events.column("billing_account_id")))
     amount = carry_shares(np.asarray(accounts.indices).astype(np.int64)[parent],
                           micros(events.column("occurred_at"))[parent],
                           quantity, price_key, terms, tie_break)
@@ -400,7 +393,7 @@ def _sweep_chunks(conn: duckdb.DuckDBPyConnection, writer: _RunWriter, rated: st
         if in_memory:
             # As Arrow, in Python: each chunk is then a take of its rows, not a query.
             held = conn.sql(f"SELECT {writer.columns()}, chunk FROM ({staged})").to_arrow_table()
-            chunk_of_row = np.asarray(pc.fill_null(_array(held.column("chunk")), -1))
+            chunk_of_row = np.asarray(pc.fill_null(contiguous(held.column("chunk")), -1))
             held = held.drop_columns(["chunk"])
             counts = {int(k): int(v) for k, v in zip(*np.unique(chunk_of_row, return_counts=True),
                                                      strict=True)}
