@@ -389,14 +389,19 @@ def _sweep_chunks(conn: duckdb.DuckDBPyConnection, writer: _RunWriter, rated: st
         chunk_of = " ".join(f"WHEN _bucket <= {c.last_bucket} THEN {i}" for i, c in enumerate(chunks))
         staged = (f"SELECT * EXCLUDE (_bucket), CASE {chunk_of} END AS chunk FROM"
                   f" (SELECT *, hash(billing_account_id) % {BUCKETS} AS _bucket FROM ({rated}))")
-        held: pa.Table | None = None
+        held: list[tuple[pa.RecordBatch, np.ndarray]] = []
         if in_memory:
-            # As Arrow, in Python: each chunk is then a take of its rows, not a query.
-            held = conn.sql(f"SELECT {writer.columns()}, chunk FROM ({staged})").to_arrow_table()
-            chunk_of_row = np.asarray(pc.fill_null(contiguous(held.column("chunk")), -1))
-            held = held.drop_columns(["chunk"])
-            counts = {int(k): int(v) for k, v in zip(*np.unique(chunk_of_row, return_counts=True),
-                                                     strict=True)}
+            # As Arrow, in Python: each chunk is then a take of its rows, not a query. Batch
+            # by batch: a take from the whole (chunked) table concatenates it first.
+            stage = conn.sql(f"SELECT {writer.columns()}, chunk FROM ({staged})").to_arrow_table()
+            held = [(batch.drop_columns(["chunk"]),
+                     np.asarray(pc.fill_null(batch.column("chunk"), -1)))
+                    for batch in stage.to_batches() if batch.num_rows]
+            schema = stage.schema.remove(stage.schema.get_field_index("chunk"))
+            del stage
+            found, sizes = np.unique(np.concatenate([chunk for _, chunk in held])
+                                     if held else np.zeros(0, np.int64), return_counts=True)
+            counts = {int(k): int(v) for k, v in zip(found, sizes, strict=True)}
         else:
             conn.execute(f"COPY ({staged}) TO '{folder}'"
                          " (FORMAT parquet, PARTITION_BY (chunk), COMPRESSION uncompressed)")
@@ -415,8 +420,10 @@ def _sweep_chunks(conn: duckdb.DuckDBPyConnection, writer: _RunWriter, rated: st
         reader.execute("SET arrow_lossless_conversion = true")
 
         def prepare(index: int) -> _Prepared:
-            if held is not None and counts.get(index):
-                return writer.prepare(held.take(pa.array(np.flatnonzero(chunk_of_row == index))))
+            if held and counts.get(index):
+                return writer.prepare(pa.Table.from_batches(
+                    [batch.take(pa.array(np.flatnonzero(chunk == index))) for batch, chunk in held],
+                    schema))
             return writer.prepare(
                 reader.sql(f"SELECT {writer.columns()} FROM {source(index)}").to_arrow_table())
 
