@@ -50,7 +50,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -260,14 +260,15 @@ class _JsonReads:
                                             f" THEN CAST(_t{index} AS {cast}) ELSE {text} END)")
         return sql
 
-    def _leaves(self) -> dict[int, tuple[str, list[str]]]:
-        """The paths read from a `json_transform` tree (see `layers`): index -> (column, keys)."""
-        found: dict[int, tuple[str, list[str]]] = {}
+    def _trees(self) -> Iterator[tuple[str, list[tuple[int, str]], dict[str, object],
+                                       dict[int, list[str]], set[int]]]:
+        """Per column read: (column, its (index, path)s, json_transform structure, keys of
+        each path read from it, paths read otherwise); see `layers`."""
         for column in ("payload", "labels"):
             mine = sorted((i, path) for (col, path), i in self.paths.items() if col == column)
-            _, leaves, _ = _object_tree([(i, _json_path_parts(path)) for i, path in mine])
-            found.update((i, (column, keys)) for i, keys in leaves.items())
-        return found
+            if mine:
+                yield (column, mine,
+                       *_object_tree([(i, _json_path_parts(path)) for i, path in mine]))
 
     def finish(self, sql: str) -> str:
         """`sql` (rewritten) reading the paths of a `json_transform` tree from their leaf's
@@ -276,7 +277,7 @@ class _JsonReads:
         any other value goes through the coercion with `json_type` / `json_extract_string`
         of the leaf, computed for that value only (for every event, both cost the sweep's
         query more than all of its JSON parsing)."""
-        leaves = self._leaves()
+        leaves = [i for *_, found, _ in self._trees() for i in found]
         if not leaves:
             return sql
         # The fast paths `coerce` wrote (quoted as they are, no string literal holds them).
@@ -310,15 +311,11 @@ class _JsonReads:
         read with `json_type` / `json_extract_string` over a list, as `_k{i}` / `_t{i}`."""
         extract: list[str] = []
         reads: list[str] = []
-        for column in ("payload", "labels"):
-            mine = sorted((i, path) for (col, path), i in self.paths.items() if col == column)
-            if not mine:
-                continue
+        for column, mine, tree, leaves, listed in self._trees():
             types: set[str] = set()
             for i, _ in mine:
                 types |= self.readers.get(i, set())
             guard = _type_in(types)
-            tree, leaves, listed = _object_tree([(i, _json_path_parts(path)) for i, path in mine])
             if tree:
                 structure = sql_text(json.dumps(tree, separators=(",", ":")))
                 extract.append(f"CASE WHEN {guard} THEN json_transform({column}, {structure}) END"
@@ -655,11 +652,17 @@ class RatingPlan:
                 names.append(f"p{j}")
         return names
 
+    def _slot_types(self) -> dict[str, tuple[str, int]]:
+        """(SQL type, bytes) of the `k`, `q` and `p` slot columns: keys are SMALLINT while the
+        plan has fewer than 2^15 lines and prices."""
+        def key(count: int) -> tuple[str, int]:
+            return ("SMALLINT", 2) if count < 2 ** 15 else ("INTEGER", 4)
+        return {"k": key(len(self.lines)), "q": ("BIGINT", 8), "p": key(len(self.prices))}
+
     def slot_bytes(self) -> int:
         """The width in bytes of one event's `slot_columns()` as `slots_sql` types them."""
-        key = 2 if len(self.lines) < 2 ** 15 else 4
-        price = 2 if len(self.prices) < 2 ** 15 else 4
-        return sum({"k": key, "q": 8, "p": price}[name[0]] for name in self.slot_columns())
+        types = self._slot_types()
+        return sum(types[name[0]][1] for name in self.slot_columns())
 
     def slots_sql(self, source: str) -> str:
         """One row per event of `source`: event_id, realm, billing_account_id, occurred_at,
@@ -667,12 +670,11 @@ class RatingPlan:
         event, if it has one: `k{j}` line_key (NULL: no such line), `q{j}` quantity_minor,
         `p{j}` price key (the row in force at occurred_at, what `priced_sql` adds to a line;
         NULL without one). Lines fill slots in order from 0. Plain columns, not a list: they
-        cost less to compute, to stage and to hand to Arrow. Keys are SMALLINT while the
-        plan has fewer than 2^15 lines and prices (a staged event is 12 bytes narrower)."""
+        cost less to compute, to stage and to hand to Arrow. Keys are narrow while they can
+        be (`_slot_types`: a staged event of the benchmark's mix is 12 bytes smaller)."""
         slots = self.slot_count()
         wanted = set(self.slot_columns())
-        key_type = "SMALLINT" if len(self.lines) < 2 ** 15 else "INTEGER"
-        price_type = "SMALLINT" if len(self.prices) < 2 ** 15 else "INTEGER"
+        types = self._slot_types()
         reads = _JsonReads()
 
         def columns(reads: _JsonReads) -> str:
@@ -691,11 +693,11 @@ class RatingPlan:
                     k.insert(0, f"WHEN {_NO_POLICY} THEN {SKIPPED_LINE}")
                 if self.versions and len(self.policies()) > 1:
                     k.insert(0, f"WHEN {_SEVERAL} THEN {self._quarantine_case(f'{several}[{j + 1}]')}")
-                out.append(f"CAST(CASE _choice {' '.join(k)} END AS {key_type}) AS k{j}")
+                out.append(f"CAST(CASE _choice {' '.join(k)} END AS {types['k'][0]}) AS k{j}")
                 if f"q{j}" in wanted:
-                    out.append(f"CAST(CASE _choice {' '.join(q)} END AS BIGINT) AS q{j}")
+                    out.append(f"CAST(CASE _choice {' '.join(q)} END AS {types['q'][0]}) AS q{j}")
                 if f"p{j}" in wanted:
-                    out.append(f"CAST(CASE _choice {' '.join(p)} END AS {price_type}) AS p{j}")
+                    out.append(f"CAST(CASE _choice {' '.join(p)} END AS {types['p'][0]}) AS p{j}")
             return ", ".join(out)
 
         layer, rated = self._rated_layer(source, reads, columns)
@@ -710,17 +712,18 @@ class RatingPlan:
         reads = _JsonReads()
 
         def line_list(reads: _JsonReads) -> str:
-            cases = [f"WHEN {_NO_POLICY} THEN [{{'k': {SKIPPED_LINE}, 'q': NULL, 'p': NULL}}]"]
+            # No price key: callers join the prices in force (`priced_sql`).
+            cases = [f"WHEN {_NO_POLICY} THEN [{{'k': {SKIPPED_LINE}, 'q': NULL}}]"]
             if self.versions:
                 cases.append(
                     f"WHEN {_SEVERAL} THEN list_transform({self._several()},"
-                    f" v -> {{'k': {self._quarantine_case('v')}, 'q': NULL, 'p': NULL}})")
+                    f" v -> {{'k': {self._quarantine_case('v')}, 'q': NULL}})")
             for version in self.versions:
-                items = ", ".join(f"{{'k': {k}, 'q': {q}, 'p': {p}}}"
-                                  for k, q, p in self._line_items(version, reads))
+                items = ", ".join(f"{{'k': {k}, 'q': {q}}}"
+                                  for k, q, _ in self._line_items(version, reads))
                 cases.append(f"WHEN {version.key} THEN [{items}]")
             return ("CAST(CASE _choice " + " ".join(cases) + " END"
-                    " AS STRUCT(k INTEGER, q BIGINT, p INTEGER)[])")
+                    " AS STRUCT(k INTEGER, q BIGINT)[])")
 
         layer, lines = self._rated_layer(source, reads, line_list)
         unnested = (f"SELECT event_id, realm, billing_account_id, occurred_ts,"

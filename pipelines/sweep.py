@@ -52,13 +52,13 @@ from pipelines.rating_runs import (
     RatingLock,
     RunSummary,
     batch_runs_sql,
-    lines_folder,
     new_run_id,
     rated_events_sql,
     record_kinds,
     write_lines_run,
     write_run,
 )
+from warehouse.lake import table_folder
 
 __all__ = ["CHUNK_EVENTS", "Progress", "SlotLines", "event_rows_sql", "plan_chunks", "slot_lines", "sweep",
            "sweep_locked"]
@@ -155,7 +155,7 @@ class _RunWriter:
                                     dtype=np.int64)
                            if len(plan.lines) * self.width <= _DENSE_KINDS else None)
         record_kinds(conn, kinds, PRICED_KIND_COLUMNS)
-        self.folder = lines_folder(conn)
+        self.folder = table_folder(conn, "rating_lines")
 
     def columns(self) -> str:
         """The columns of `slots_sql` the writer reads."""

@@ -15,7 +15,7 @@ import pytest
 
 from pipelines.aggregate_days import close_aggregate_days
 from pipelines.rating_plan import RatingPlan
-from pipelines.rating_runs import RatingLock, current_ratings_sql, lines_folder
+from pipelines.rating_runs import RatingLock, current_ratings_sql
 from pipelines.rerate import rerate
 from pipelines.sweep import sweep
 from tests.lake_events import (
@@ -28,7 +28,7 @@ from tests.lake_events import (
     price,
     single,
 )
-from warehouse.lake import connect_lake
+from warehouse.lake import connect_lake, table_folder
 
 TOKENS_IN = {"payload_int": "usage.input_tokens", "default": 0}
 TOKENS_OUT = {"payload_int": "usage.output_tokens", "default": 0}
@@ -319,7 +319,7 @@ def test_a_run_that_dies_mid_way_leaves_nothing_and_the_next_sweep_resumes(lake:
     assert rows(conn, "SELECT count(*) FROM lake.rating_runs") == [(1,)]
     # The lines files pyarrow wrote for the run that died are gone with it; the first
     # run's are the table's.
-    folder = lines_folder(conn)
+    folder = table_folder(conn, "rating_lines")
     assert folder is not None
     on_disk = {path.name for path in folder.glob("*.parquet")}
     tracked = {name for (name,) in rows(
@@ -427,7 +427,7 @@ def test_a_sweep_writes_narrow_lines_that_read_like_every_other_rating(lake: Any
     if kinds == "distinct pairs":  # as for a catalog of many realms
         monkeypatch.setattr(sweep_module, "_DENSE_KINDS", 0)
     if kinds == "inserted":  # a lake whose catalog does not name the table's folder
-        monkeypatch.setattr(sweep_module, "lines_folder", lambda conn: None)
+        monkeypatch.setattr(sweep_module, "table_folder", lambda conn, table: None)
     data_dir, feed, conn = lake
     plan = apply_catalog(data_dir, catalog_toml(
         policies=policy("llm", ("v1", "2026-01-01T00:00:00Z", LLM_V1)), prices=PRICES))
@@ -435,7 +435,7 @@ def test_a_sweep_writes_narrow_lines_that_read_like_every_other_rating(lake: Any
                              llm("acct_a", "2026-11-01T00:00:01Z", 700))
     [run] = sweep(conn, plan, lock(data_dir))
     assert rows(conn, "SELECT count(*) FROM lake.rating_lines") == [(4,)]
-    folder = lines_folder(conn)
+    folder = table_folder(conn, "rating_lines")
     assert folder is not None
     written = [path.name for path in folder.glob(f"{run.run_id}-*.parquet")]
     assert len(written) == (0 if kinds == "inserted" else 1)  # pyarrow's file, or DuckDB's

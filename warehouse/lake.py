@@ -63,7 +63,8 @@ from typing import TypeVar
 
 import duckdb
 
-__all__ = ["LAKE_TABLES", "attach_lake", "connect_lake", "lake_paths", "transaction", "with_lake_retry"]
+__all__ = ["LAKE_TABLES", "attach_lake", "connect_lake", "lake_paths", "table_folder", "transaction",
+           "with_lake_retry"]
 
 T = TypeVar("T")
 log = logging.getLogger("tollgate.lake")
@@ -191,6 +192,22 @@ def transaction(conn: duckdb.DuckDBPyConnection) -> Iterator[None]:
         except duckdb.Error:
             pass  # a failed COMMIT has already ended the transaction
         raise
+
+
+def table_folder(conn: duckdb.DuckDBPyConnection, table: str, alias: str = "lake") -> Path | None:
+    """The folder DuckLake keeps the data files of `alias`.main.`table` in (as its catalog
+    records it), or None when that is not a path under the lake's data path."""
+    meta = f"__ducklake_metadata_{alias}"
+    row = conn.execute(
+        "SELECT m.value, s.path, s.path_is_relative, t.path, t.path_is_relative"
+        f" FROM {meta}.ducklake_table AS t"
+        f" JOIN {meta}.ducklake_schema AS s ON s.schema_id = t.schema_id"
+        f" JOIN {meta}.ducklake_metadata AS m ON m.key = 'data_path'"
+        " WHERE t.table_name = ? AND t.end_snapshot IS NULL"
+        " AND s.end_snapshot IS NULL AND s.schema_name = 'main'", [table]).fetchone()
+    if row is None or not (row[2] and row[4]) or not row[0]:
+        return None
+    return Path(str(row[0])) / str(row[1]) / str(row[3])
 
 
 def with_lake_retry(step: Callable[[], T], *, attempts: int = 50, pause: float = 0.05) -> T:
