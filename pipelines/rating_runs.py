@@ -27,7 +27,7 @@ import json
 import os
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -54,8 +54,10 @@ __all__ = [
     "new_run_id",
     "rated_events_sql",
     "rating_id_sql",
+    "missing_kinds",
     "record_kinds",
     "reversal_rows_sql",
+    "write_lines_files",
     "write_lines_run",
     "write_run",
 ]
@@ -205,15 +207,20 @@ def current_ratings_sql() -> str:
     )
 
 
+def missing_kinds(conn: duckdb.DuckDBPyConnection, rows: list[tuple[object, ...]]) -> list[tuple[object, ...]]:
+    """The kinds of `rows` (first column: line_id) that lake.rating_line_kinds lacks."""
+    if not rows:
+        return []
+    known = {row[0] for row in conn.execute("SELECT DISTINCT line_id FROM lake.rating_line_kinds"
+                                            " WHERE line_id IS NOT NULL").fetchall()}
+    return [row for row in rows if row[0] not in known]
+
+
 def record_kinds(conn: duckdb.DuckDBPyConnection, rows: list[tuple[object, ...]], columns: str) -> None:
     """Add to lake.rating_line_kinds the kinds of `rows` (first column: line_id) it lacks.
     Runs are serialized by the rating lock, so no kind is ever recorded twice; a kind that no
     row names yet is harmless, so they go first, on their own."""
-    if not rows:
-        return
-    known = {row[0] for row in conn.execute("SELECT DISTINCT line_id FROM lake.rating_line_kinds"
-                                            " WHERE line_id IS NOT NULL").fetchall()}
-    missing = [row for row in rows if row[0] not in known]
+    missing = missing_kinds(conn, rows)
     if not missing:
         return
     def insert() -> None:
@@ -227,13 +234,23 @@ def record_kinds(conn: duckdb.DuckDBPyConnection, rows: list[tuple[object, ...]]
 _ROW_GROUP = 1 << 17
 
 
-def _write_parquet(lines: pa.Table, run_id: str, folder: Path, parts: int) -> list[Path]:
-    """`lines` with its run_id column in `parts` Parquet files (one thread each), named
-    after the run so a file left by a crash is recognisably one run's."""
+# Columns of the lines files with min/max statistics. Not event_id nor billing_account_id:
+# a run's random UUIDs and its hash buckets of accounts span nearly their whole ranges, so
+# those statistics would never let a reader skip a file, and they were a third of the
+# writing's CPU (DuckLake records them as unknown; filters on them stay exact).
+_STATISTICS = ["run_id", "realm", "occurred_at", "line_id", "quantity_minor", "amount_xusd"]
+
+
+def write_lines_files(lines: pa.Table, run_id: str, folder: Path, parts: int = 1) -> list[Path]:
+    """`lines` (the columns of `write_lines_run`) with their run_id column, as `parts`
+    Parquet files in `folder` (one thread each), named after the run so a file left by a
+    crash is recognisably one run's (no more files than row groups). The run is not in the
+    lake until `write_lines_run` adds them."""
     folder.mkdir(parents=True, exist_ok=True)
     count = lines.num_rows
-    step = -(-count // parts)
-    slices = [lines.slice(first, step) for first in range(0, count, step)]
+    parts = max(min(parts, -(-count // _ROW_GROUP)), 1)
+    step = max(-(-count // parts), 1)
+    slices = [lines.slice(first, step) for first in range(0, count, step)] or [lines]
     paths = [folder / f"{run_id}-{n}.parquet" for n in range(len(slices))]
 
     def write(n: int) -> None:
@@ -242,42 +259,61 @@ def _write_parquet(lines: pa.Table, run_id: str, folder: Path, parts: int) -> li
                                              pa.array([run_id]))
         pq.write_table(rows.add_column(0, "run_id", run), paths[n], compression="snappy",
                        row_group_size=_ROW_GROUP,
-                       use_dictionary=["run_id", "realm", "billing_account_id"])
+                       use_dictionary=["run_id", "realm", "billing_account_id"],
+                       write_statistics=_STATISTICS)
 
-    with ThreadPoolExecutor(len(slices)) as pool:
-        list(pool.map(write, range(len(slices))))
+    try:
+        if len(slices) == 1:
+            write(0)
+        else:
+            with ThreadPoolExecutor(len(slices)) as pool:
+                list(pool.map(write, range(len(slices))))
+    except BaseException:
+        for path in paths:
+            path.unlink(missing_ok=True)
+        raise
     return paths
 
 
 def write_lines_run(conn: duckdb.DuckDBPyConnection, *, run_id: str, kind: str,
                     started_at: datetime, params: Mapping[str, object], lines: pa.Table,
-                    events: int, folder: Path | None = None) -> RunSummary:
+                    events: int, folder: Path | None = None,
+                    files: Sequence[Path] | None = None,
+                    kinds: Sequence[tuple[object, ...]] = ()) -> RunSummary:
     """Append `lines` (columns event_id, realm, billing_account_id, occurred_at, line_id,
     quantity_minor, amount_xusd; kinds already recorded) to lake.rating_lines under `run_id`,
     and the run's completed lake.rating_runs row (`events` events rated), in one lake
     transaction (run again when the SQLite catalog is busy, like `write_run`).
 
-    With `folder` (`warehouse.lake.table_folder`), pyarrow writes the Parquet files there, two at a time,
-    and the transaction adds them to the table (`ducklake_add_data_files`): measured on
-    1.6 M lines, 0.30 s and 0.54 CPU seconds against 0.44 s and 0.80 for DuckDB's INSERT. A file of a
-    transaction that did not commit is removed; one left by a crash is an orphan that
-    `compact-lake` deletes. Without, the rows are INSERTed (handed over in batches:
-    DuckDB scans an Arrow table one batch per thread)."""
+    With `folder` (`warehouse.lake.table_folder`), pyarrow writes the Parquet files there,
+    two at a time (`write_lines_files`), and the transaction adds them to the table
+    (`ducklake_add_data_files`): measured on 1.6 M lines, 0.30 s and 0.54 CPU seconds
+    against 0.44 s and 0.80 for DuckDB's INSERT. With `files`, `lines` are already in
+    those files (written ahead, on another thread) and only the transaction is left. A
+    file of a transaction that did not commit is removed; one left by a crash is an orphan
+    that `compact-lake` deletes. With neither, the rows are INSERTed (handed over in
+    batches: DuckDB scans an Arrow table one batch per thread). `kinds`: line kinds
+    (PRICED_KIND_COLUMNS) the lake lacks, recorded in the same transaction."""
     began = time.monotonic()
     name = f"_run_lines_{run_id.rsplit('-', 1)[-1]}"
-    paths = (_write_parquet(lines, run_id, folder, 2 if lines.num_rows >= _ROW_GROUP else 1)
-             if folder is not None and lines.num_rows else [])
-    if folder is None:
-        conn.register(name, pa.Table.from_batches(lines.to_batches(max_chunksize=_ROW_GROUP),
-                                                  schema=lines.schema))
+    paths = list(files) if files is not None else (
+        write_lines_files(lines, run_id, folder, 2)
+        if folder is not None and lines.num_rows else [])
+    insert = files is None and folder is None
     committed = False
     try:
+        if insert:
+            conn.register(name, pa.Table.from_batches(lines.to_batches(max_chunksize=_ROW_GROUP),
+                                                      schema=lines.schema))
+
         def write() -> None:
             with transaction(conn):
+                if kinds:
+                    insert_rows(conn, "lake.rating_line_kinds", list(kinds), PRICED_KIND_COLUMNS)
                 if paths:
                     conn.execute("CALL ducklake_add_data_files('lake', 'rating_lines', ?)",
                                  [[str(path) for path in paths]])
-                elif folder is None:
+                elif insert:
                     conn.execute(
                         f"INSERT INTO lake.rating_lines SELECT '{run_id}', event_id, realm,"
                         " billing_account_id, occurred_at, line_id, quantity_minor, amount_xusd"
@@ -289,7 +325,7 @@ def write_lines_run(conn: duckdb.DuckDBPyConnection, *, run_id: str, kind: str,
         with_lake_retry(write, attempts=10)
         committed = True
     finally:
-        if folder is None:
+        if insert:
             conn.unregister(name)
         if not committed:
             for path in paths:

@@ -33,8 +33,9 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -48,13 +49,13 @@ import pyarrow.dataset  # noqa: F401 (DuckDB imports it to scan an Arrow table: 
 from pipelines.carry import CarryOutOfRange, PriceTerms, carry_shares, contiguous, micros, uuid_words
 from pipelines.rating_plan import LINE_CATALOG, RatingPlan, amounts_sql, sql_instant
 from pipelines.rating_runs import (
-    PRICED_KIND_COLUMNS,
     RatingLock,
     RunSummary,
     batch_runs_sql,
     new_run_id,
     rated_events_sql,
-    record_kinds,
+    missing_kinds,
+    write_lines_files,
     write_lines_run,
     write_run,
 )
@@ -77,6 +78,7 @@ class Chunk:
     first_bucket: int
     last_bucket: int
     events: int  # candidates in these buckets
+    events_part: int = 0  # its share of the events (see group_buckets)
 
     def where(self, alias: str) -> str:
         return (f"hash({alias}.billing_account_id) % {BUCKETS}"
@@ -89,16 +91,32 @@ def plan_chunks(conn: duckdb.DuckDBPyConnection, candidates: str, chunk_events: 
     counts = conn.execute(
         f"SELECT hash(e.billing_account_id) % {BUCKETS} AS bucket, count(*) FROM lake.events AS e"
         f" WHERE {candidates} GROUP BY bucket ORDER BY bucket").fetchall()
+    return group_buckets(counts, chunk_events)
+
+
+def group_buckets(counts: Iterable[tuple[int, int]], chunk_events: int, multiple: int = 1) -> list[Chunk]:
+    """`plan_chunks` from (bucket, events) pairs in bucket order: as few chunks as keep
+    them near `chunk_events` (their number rounded up to a `multiple`), of about equal size
+    (a small last chunk would cost a run of its own; a bucket bigger than a chunk is a
+    chunk of its own)."""
+    found = [(bucket, count) for bucket, count in counts if count]
+    total = sum(count for _, count in found)
+    if not total:
+        return []
+    parts = -(-total // max(chunk_events, 1))
+    if parts > 1:
+        parts = -(-parts // multiple) * multiple
     chunks: list[Chunk] = []
-    current: Chunk | None = None
-    for bucket, count in counts:
-        if current is not None and current.events + count > chunk_events:
-            chunks.append(current)
-            current = None
-        first = bucket if current is None else current.first_bucket
-        current = Chunk(first, bucket, count + (0 if current is None else current.events))
-    if current is not None:
-        chunks.append(current)
+    before = 0
+    for bucket, count in found:
+        # A bucket goes to the part its first event falls in, by equal shares of the total.
+        part = before * parts // total
+        if chunks and part == chunks[-1].events_part:
+            last = chunks[-1]
+            chunks[-1] = Chunk(last.first_bucket, bucket, last.events + count, part)
+        else:
+            chunks.append(Chunk(bucket, bucket, count, part))
+        before += count
     return chunks
 
 
@@ -115,19 +133,35 @@ def event_rows_sql(run_id: str, rated_at: datetime, priced: str) -> str:
     )
 
 
-def _watermark(conn: duckdb.DuckDBPyConnection) -> tuple[int, datetime | None]:
-    """(the greatest export id a completed sweep had looked at, when that sweep read it)."""
-    row = conn.execute(
-        "SELECT CAST(json_extract_string(params, '$.through_export_id') AS BIGINT),"
-        " coalesce(CAST(json_extract_string(params, '$.through_read_at') AS TIMESTAMPTZ), started_at)"
-        f" FROM ({batch_runs_sql()}) WHERE kind = 'sweep'"
-        " AND json_extract_string(params, '$.through_export_id') IS NOT NULL"
-        " ORDER BY 1 DESC, 2 DESC LIMIT 1").fetchone()
-    return (int(row[0]), row[1]) if row else (-1, None)
-
-
 # Runs on other machines may stamp their start with a clock that is a little off.
 CLOCK_MARGIN = timedelta(hours=1)
+
+
+@dataclass(frozen=True)
+class _Runs:
+    watermark: int  # the greatest export id a completed sweep had looked at (-1: none)
+    since: datetime | None  # when that sweep read it
+    recent: int  # completed batch runs that started after `since` (less the margin)
+
+
+def _runs(conn: duckdb.DuckDBPyConnection) -> _Runs:
+    """What the completed batch runs tell a sweep, in one query: the watermark, and how many
+    runs started after it was read (so might hold rows of events beyond it)."""
+    margin = int(CLOCK_MARGIN.total_seconds())
+    row = conn.execute(
+        f"WITH runs AS ({batch_runs_sql()}), mark AS ("
+        " SELECT CAST(json_extract_string(params, '$.through_export_id') AS BIGINT) AS through,"
+        " coalesce(CAST(json_extract_string(params, '$.through_read_at') AS TIMESTAMPTZ),"
+        " started_at) AS read_at FROM runs WHERE kind = 'sweep'"
+        " AND json_extract_string(params, '$.through_export_id') IS NOT NULL"
+        " ORDER BY 1 DESC, 2 DESC LIMIT 1)"
+        " SELECT (SELECT through FROM mark), (SELECT read_at FROM mark),"
+        " (SELECT count(*) FROM runs WHERE NOT EXISTS (SELECT 1 FROM mark)"
+        f"  OR runs.started_at >= (SELECT read_at FROM mark) - INTERVAL {margin} SECONDS)"
+        ).fetchone()
+    if row is None or row[0] is None:
+        return _Runs(-1, None, int(row[2]) if row else 0)
+    return _Runs(int(row[0]), row[1], int(row[2]))
 
 
 # Up to this many (line, price row) pairs, line kinds are looked up in a table.
@@ -154,8 +188,10 @@ class _RunWriter:
         self.kind_table = (np.array([self.kind_ids.get(k, 0) for k in range(len(plan.lines) * self.width)],
                                     dtype=np.int64)
                            if len(plan.lines) * self.width <= _DENSE_KINDS else None)
-        record_kinds(conn, kinds, PRICED_KIND_COLUMNS)
         self.folder = table_folder(conn, "rating_lines")
+        # Kinds the lake lacks go in with the first run's rows, in its transaction (on
+        # their own they took a transaction more: ~0.1 s of every sweep that adds one).
+        self.missing = missing_kinds(conn, kinds)
 
     def columns(self) -> str:
         """The columns of `slots_sql` the writer reads."""
@@ -169,11 +205,12 @@ class _RunWriter:
         return np.array([self.kind_ids.get(int(k), 0) for k in distinct], dtype=np.int64)[where]
 
     def write(self, events: pa.Table, params: dict[str, object]) -> RunSummary:
-        return self.commit(self.prepare(events), params)
+        return self.commit(self.prepare(events, files=2), params)
 
-    def prepare(self, events: pa.Table) -> _Prepared:
-        """The run's rows: the carry and amounts of its lines (no lake access; safe on a
-        thread of its own while another run commits)."""
+    def prepare(self, events: pa.Table, files: int = 1) -> _Prepared:
+        """The run's rows: the carry and amounts of its lines, written to `files` Parquet
+        files in the table's folder (no lake access: safe on threads of their own while
+        another run commits; the lake has the files only once `commit` adds them)."""
         started_at = datetime.now(timezone.utc)
         prepared = _Prepared(new_run_id("sweep", started_at), started_at, time.monotonic(),
                              events)
@@ -192,6 +229,8 @@ class _RunWriter:
             "amount_xusd": lines.amount,
         })
         prepared.rows = rows
+        if self.folder is not None and rows.num_rows:
+            prepared.files = write_lines_files(rows, prepared.run_id, self.folder, files)
         return prepared
 
     def commit(self, prepared: _Prepared, params: dict[str, object]) -> RunSummary:
@@ -201,7 +240,10 @@ class _RunWriter:
             summary = write_lines_run(self.conn, run_id=run_id, kind="sweep",
                                       started_at=started_at, params=params,
                                       lines=prepared.rows, events=prepared.events.num_rows,
-                                      folder=self.folder)
+                                      folder=self.folder, files=prepared.files,
+                                      kinds=self.missing)
+            prepared.files = None
+            self.missing = []
         else:
             name = f"_sweep_events_{run_id.rsplit('-', 1)[-1]}"
             self.conn.register(name, prepared.events)
@@ -281,6 +323,13 @@ class _Prepared:
     began: float
     events: pa.Table  # the chunk's rated events, as read
     rows: pa.Table | None = None  # what rating_lines gets; None: price in SQL (HUGEINT)
+    files: list[Path] | None = None  # the rows, written ahead; None once committed
+
+    def discard(self) -> None:
+        """Remove the files of a run that will not be committed."""
+        for path in self.files or ():
+            path.unlink(missing_ok=True)
+        self.files = None
 
 
 def sweep(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, lock: RatingLock, *,
@@ -298,15 +347,17 @@ def sweep_locked(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, *,
     """`sweep` for a caller that already holds the rating lock. `scratch` is a folder for
     the Parquet stage of a sweep too big for memory (a temporary folder when None)."""
     plan.install(conn)
-    watermark, since = _watermark(conn)
+    runs = _runs(conn)
+    watermark, since = runs.watermark, runs.since
     read_at = datetime.now(timezone.utc)  # before the greatest export id is read
-    row = conn.execute("SELECT coalesce(max(export_id), -1), count(*) FILTER (export_id IS NULL)"
-                       " FROM lake.events").fetchone()
+    row = conn.execute(
+        "SELECT coalesce(max(export_id), -1), count(*) FILTER (export_id IS NULL),"
+        " count(*) FILTER (export_id IS NULL OR export_id > ?) FROM lake.events",
+        [watermark]).fetchone()
     through = max(watermark, int(row[0]) if row else -1)
     unexported = bool(row and row[1])
-    candidates = f"(e.export_id IS NULL OR e.export_id > {watermark})"
-    chunks = plan_chunks(conn, candidates, chunk_events)
-    if not chunks:
+    candidates = int(row[2]) if row else 0
+    if not candidates:
         return []
     # An event exported beyond the watermark was not in the lake when the watermark sweep
     # read it, so only a run that started after that moment can have rated it (runs hold
@@ -315,8 +366,7 @@ def sweep_locked(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, *,
     # event without an export id (loaded into the lake by hand) is checked against all runs.
     recent = "TRUE" if since is None else f"b.started_at >= {sql_instant(since - CLOCK_MARGIN)}"
     pending = f"(SELECT e.* FROM lake.events AS e WHERE e.export_id > {watermark})"
-    found = conn.execute(f"SELECT count(*) FROM ({batch_runs_sql()}) AS b WHERE {recent}").fetchone()
-    if found and found[0]:
+    if runs.recent:
         # Only when such runs exist: the anti-join costs ~0.2 s per million pending events
         # even when it removes nothing. That saves it on a lake's first sweep (and in
         # bench/rating.py) only: a later sweep always finds the run of the watermark.
@@ -332,18 +382,18 @@ def sweep_locked(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, *,
     lossless = conn.execute("SELECT current_setting('arrow_lossless_conversion')").fetchone()
     conn.execute("SET arrow_lossless_conversion = true")
     try:
-        if len(chunks) == 1:
+        if candidates <= chunk_events:
             # One chunk: its events in one query, straight to the carry and the lake.
             # The relation API materializes in parallel; execute() streams on one thread.
             events = conn.sql(rated).to_arrow_table()
-            run = writer.write(events, {"buckets": [chunks[0].first_bucket, chunks[0].last_bucket],
-                                       "through_export_id": through,
+            run = writer.write(events, {"buckets": [0, BUCKETS - 1], "through_export_id": through,
                                        "through_read_at": read_at.isoformat()})
             if progress is not None:
-                progress(chunks[0].events, chunks[0].events)
+                progress(events.num_rows, events.num_rows)
             return [run]
-        return _sweep_chunks(conn, writer, rated, chunks, through=through, read_at=read_at,
-                             scratch=scratch, progress=progress)
+        return _sweep_chunks(conn, writer, rated, candidates, chunk_events, through=through,
+                             read_at=read_at, scratch=scratch, progress=progress,
+                             where=f"(e.export_id IS NULL OR e.export_id > {watermark})")
     finally:
         conn.execute(f"SET arrow_lossless_conversion = {bool(lossless and lossless[0])}")
 
@@ -368,86 +418,136 @@ def _memory_limit(conn: duckdb.DuckDBPyConnection) -> int:
 
 
 def _sweep_chunks(conn: duckdb.DuckDBPyConnection, writer: _RunWriter, rated: str,
-                  chunks: list[Chunk], *, through: int, read_at: datetime, scratch: Path | None,
-                  progress: Progress | None) -> list[RunSummary]:
+                  candidates: int, chunk_events: int, *, through: int, read_at: datetime,
+                  scratch: Path | None, progress: Progress | None, where: str) -> list[RunSummary]:
     """More than one chunk: one scan rates every pending event and stages the rated events
-    (one row each, its priced lines in slots) with their chunk; then each chunk becomes a
-    run. The stage is an Arrow table in this process while the events fit in three quarters
-    of DuckDB's memory limit (each chunk is then a `take` of its rows), else a scratch
-    folder of Parquet, one partition per chunk (uncompressed: they are read once, soon),
-    so memory stays flat however many events wait. Measured at 5 M events, against a table
-    in DuckDB's memory read back a chunk at a time: 6.8-8.9 s a sweep against 9.5-9.9 s.
-    Streaming the rows to Python instead took 5.4 s for the scan (DuckDB's Arrow stream
-    runs on one thread, the relation API's materialization on all)."""
-    total = sum(c.events for c in chunks)
-    staged = (_STAGED_EVENT_BYTES + writer.slot_bytes) * _STAGE_OVERHEAD
-    in_memory = total * staged <= _memory_limit(conn) * 3 // 4
+    (one row each, its priced lines in slots), then each chunk becomes a run.
+
+    The stage is an Arrow table in this process while the events fit in three quarters of
+    DuckDB's memory limit: each row carries its account's bucket, the buckets' counts make
+    the chunks, and each chunk is a `take` of its rows. Past that, a scratch folder of
+    Parquet, one partition per chunk (planned by `plan_chunks` first; uncompressed: they
+    are read once, soon), so memory stays flat however many events wait. Measured at 5 M
+    events, against a table in DuckDB's memory read back a chunk at a time: 6.8-8.9 s a
+    sweep against 9.5-9.9 s. Streaming the rows to Python instead took 5.4 s for the scan
+    (DuckDB's Arrow stream runs on one thread, the relation API's materialization on all).
+
+    Two threads carry chunks and write their files while this one commits them in order:
+    with one, this thread's commits (each ~0.1 s in the SQLite catalog) were the queue."""
+    staged_width = (_STAGED_EVENT_BYTES + writer.slot_bytes) * _STAGE_OVERHEAD
+    in_memory = candidates * staged_width <= _memory_limit(conn) * 3 // 4
     if scratch is not None:
         scratch.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix="sweep-", dir=scratch))
     try:
-        chunk_of = " ".join(f"WHEN _bucket <= {c.last_bucket} THEN {i}" for i, c in enumerate(chunks))
-        staged = (f"SELECT * EXCLUDE (_bucket), CASE {chunk_of} END AS chunk FROM"
-                  f" (SELECT *, hash(billing_account_id) % {BUCKETS} AS _bucket FROM ({rated}))")
-        held: list[tuple[pa.RecordBatch, np.ndarray]] = []
         if in_memory:
-            # As Arrow, in Python: each chunk is then a take of its rows, not a query. Batch
-            # by batch: a take from the whole (chunked) table concatenates it first.
-            stage = conn.sql(f"SELECT {writer.columns()}, chunk FROM ({staged})").to_arrow_table()
-            held = [(batch.drop_columns(["chunk"]),
-                     np.asarray(pc.fill_null(batch.column("chunk"), -1)))
-                    for batch in stage.to_batches() if batch.num_rows]
-            schema = stage.schema.remove(stage.schema.get_field_index("chunk"))
-            del stage
-            found, sizes = np.unique(np.concatenate([chunk for _, chunk in held])
-                                     if held else np.zeros(0, np.int64), return_counts=True)
-            counts = {int(k): int(v) for k, v in zip(found, sizes, strict=True)}
+            chunks, prepare = _memory_stage(conn, writer, rated, chunk_events)
         else:
-            conn.execute(f"COPY ({staged}) TO '{folder}'"
-                         " (FORMAT parquet, PARTITION_BY (chunk), COMPRESSION uncompressed)")
-            counts = {i: 1 for i in range(len(chunks)) if (folder / f"chunk={i}").is_dir()}
-        kept = [i for i in range(len(chunks)) if counts.get(i) or i == len(chunks) - 1]
-
-        def source(index: int) -> str:
-            if not counts.get(index):
-                return f"({rated}) WHERE FALSE"
-            return f"read_parquet('{folder / f'chunk={index}'}/*.parquet')"
-
-        # The next chunk is read and carried on a connection of its own while this one
-        # commits (both use the two cores; one after the other, each left one idle at times).
-        reader = conn.cursor()
-        reader.execute("SET TimeZone = 'UTC'")
-        reader.execute("SET arrow_lossless_conversion = true")
-
-        def prepare(index: int) -> _Prepared:
-            if held and counts.get(index):
-                return writer.prepare(pa.Table.from_batches(
-                    [batch.take(pa.array(np.flatnonzero(chunk == index))) for batch, chunk in held],
-                    schema))
-            return writer.prepare(
-                reader.sql(f"SELECT {writer.columns()} FROM {source(index)}").to_arrow_table())
-
+            chunks, prepare = _parquet_stage(conn, writer, rated, chunk_events, where, folder)
+        # Every chunk with events, and the last one always: its run records the watermark.
+        kept = [i for i, c in enumerate(chunks) if c.events or i == len(chunks) - 1]
+        total = sum(c.events for c in chunks)
         runs: list[RunSummary] = []
         done = 0
-        with reader, ThreadPoolExecutor(1) as pool:
-            upcoming = pool.submit(prepare, kept[0]) if kept else None
-            for position, index in enumerate(kept):
-                assert upcoming is not None
-                prepared = upcoming.result()
-                upcoming = (pool.submit(prepare, kept[position + 1])
-                            if position + 1 < len(kept) else None)
-                chunk = chunks[index]
-                params: dict[str, object] = {"buckets": [chunk.first_bucket, chunk.last_bucket]}
-                if index == len(chunks) - 1:
-                    # Every candidate up to this export id has now been looked at by a sweep.
-                    params["through_export_id"] = through
-                    params["through_read_at"] = read_at.isoformat()
-                runs.append(writer.commit(prepared, params))
-                del prepared
-                shutil.rmtree(folder / f"chunk={index}", ignore_errors=True)
-                done = sum(c.events for c in chunks[:index + 1])
-                if progress is not None:
-                    progress(done, total)
+        ahead: deque[Future[_Prepared]] = deque()
+        with ThreadPoolExecutor(_PREPARERS) as pool:
+            try:
+                queued = 0
+                for position, index in enumerate(kept):
+                    while queued < len(kept) and queued <= position + _PREPARERS:
+                        ahead.append(pool.submit(prepare, kept[queued]))
+                        queued += 1
+                    prepared = ahead.popleft().result()
+                    chunk = chunks[index]
+                    params: dict[str, object] = {"buckets": [chunk.first_bucket, chunk.last_bucket]}
+                    if index == len(chunks) - 1:
+                        # Every candidate up to this export id has now been looked at by a sweep.
+                        params["through_export_id"] = through
+                        params["through_read_at"] = read_at.isoformat()
+                    try:
+                        runs.append(writer.commit(prepared, params))
+                    finally:
+                        prepared.discard()
+                    del prepared
+                    shutil.rmtree(folder / f"chunk={index}", ignore_errors=True)
+                    done += chunk.events
+                    if progress is not None:
+                        progress(done, total)
+            finally:
+                # A run prepared ahead of a failure: its files never reach the lake.
+                for future in ahead:
+                    try:
+                        future.result().discard()
+                    except Exception:  # noqa: BLE001 (the first failure is the one raised)
+                        pass
         return runs
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+# Threads carrying chunks and writing their files at once (each writes one file per run).
+_PREPARERS = 2
+
+
+def _memory_stage(conn: duckdb.DuckDBPyConnection, writer: _RunWriter, rated: str,
+                  chunk_events: int) -> tuple[list[Chunk], Callable[[int], _Prepared]]:
+    """The rated events as Arrow, in this process, with their account's bucket; the chunks
+    their counts make, and how to prepare one (a take of its rows, batch by batch: a take
+    from the whole chunked table would concatenate it first)."""
+    stage = conn.sql(f"SELECT {writer.columns()},"
+                     f" CAST(hash(billing_account_id) % {BUCKETS} AS USMALLINT) AS _bucket"
+                     f" FROM ({rated})").to_arrow_table()
+    schema = stage.schema.remove(stage.schema.get_field_index("_bucket"))
+    batches = [batch for batch in stage.to_batches() if batch.num_rows]
+    del stage
+    buckets = [np.asarray(batch.column("_bucket")).astype(np.intp) for batch in batches]
+    counts = np.zeros(BUCKETS, dtype=np.int64)
+    for bucket in buckets:
+        counts += np.bincount(bucket, minlength=BUCKETS)
+    chunks = (group_buckets(enumerate(counts.tolist()), chunk_events, _PREPARERS)
+              or [Chunk(0, BUCKETS - 1, 0)])
+    chunk_of = np.zeros(BUCKETS, dtype=np.int32)
+    for i, chunk in enumerate(chunks):
+        chunk_of[chunk.first_bucket:chunk.last_bucket + 1] = i
+    # Each batch's rows in chunk order (a stable sort keeps them in order within a chunk),
+    # with where each chunk's rows start.
+    held: list[tuple[pa.RecordBatch, np.ndarray, np.ndarray]] = []
+    for batch, bucket in zip(batches, buckets, strict=True):
+        of = chunk_of[bucket]
+        order = np.argsort(of, kind="stable")
+        starts = np.searchsorted(of[order], np.arange(len(chunks) + 1))
+        held.append((batch.drop_columns(["_bucket"]), order, starts))
+    del batches, buckets
+
+    def prepare(index: int) -> _Prepared:
+        return writer.prepare(pa.Table.from_batches(
+            [batch.take(pa.array(order[starts[index]:starts[index + 1]]))
+             for batch, order, starts in held], schema))
+
+    return chunks, prepare
+
+
+def _parquet_stage(conn: duckdb.DuckDBPyConnection, writer: _RunWriter, rated: str,
+                   chunk_events: int, where: str,
+                   folder: Path) -> tuple[list[Chunk], Callable[[int], _Prepared]]:
+    """The rated events in Parquet under `folder`, one partition per chunk of `plan_chunks`
+    (candidates `where`); the chunks, and how to prepare one (each on a connection of its
+    own: they are read on two threads)."""
+    chunks = plan_chunks(conn, where, chunk_events) or [Chunk(0, BUCKETS - 1, 0)]
+    chunk_of = " ".join(f"WHEN _bucket <= {c.last_bucket} THEN {i}" for i, c in enumerate(chunks))
+    staged = (f"SELECT {writer.columns()}, CASE {chunk_of} END AS chunk FROM"
+              f" (SELECT *, hash(billing_account_id) % {BUCKETS} AS _bucket FROM ({rated}))")
+    conn.execute(f"COPY ({staged}) TO '{folder}'"
+                 " (FORMAT parquet, PARTITION_BY (chunk), COMPRESSION uncompressed)")
+
+    def prepare(index: int) -> _Prepared:
+        part = folder / f"chunk={index}"
+        source = (f"read_parquet('{part}/*.parquet')" if part.is_dir()
+                  else f"({rated}) WHERE FALSE")
+        with conn.cursor() as reader:
+            reader.execute("SET TimeZone = 'UTC'")
+            reader.execute("SET arrow_lossless_conversion = true")
+            return writer.prepare(
+                reader.sql(f"SELECT {writer.columns()} FROM {source}").to_arrow_table())
+
+    return chunks, prepare
