@@ -287,8 +287,8 @@ def test_an_aggregate_day_closes_after_its_allowance_and_a_late_event_rerates_it
 
 
 class _CrashBeforeSecondRunCommits:
-    """A connection that fails the way a killed process would, inside the second run's lake
-    transaction, after its rating rows were inserted."""
+    """A connection that fails the way a killed process would, inside the lake transaction
+    of the second run, after its rating rows were added."""
 
     def __init__(self, conn: duckdb.DuckDBPyConnection) -> None:
         self._conn = conn
@@ -296,8 +296,8 @@ class _CrashBeforeSecondRunCommits:
 
     def execute(self, sql: str, *args: Any) -> Any:
         if sql.startswith("INSERT INTO lake.rating_runs"):
-            self._runs += 1
-            if self._runs == 2:
+            self._runs += sql.count("(?")  # rows in this statement
+            if self._runs >= 2:
                 raise RuntimeError("killed mid-run")
         return self._conn.execute(sql, *args)
 
@@ -305,20 +305,30 @@ class _CrashBeforeSecondRunCommits:
         return getattr(self._conn, name)
 
 
-def test_a_run_that_dies_mid_way_leaves_nothing_and_the_next_sweep_resumes(lake: Any) -> None:
+@pytest.mark.parametrize("commits", ["one run each", "runs together"])
+def test_a_run_that_dies_mid_way_leaves_nothing_and_the_next_sweep_resumes(
+        lake: Any, monkeypatch: Any, commits: str) -> None:
+    # A sweep commits the runs it has ready together (one transaction: all or none), at
+    # least every COMMIT_SECONDS; with 0, each run in its own.
+    import pipelines.sweep as sweep_module
+
+    if commits == "one run each":
+        monkeypatch.setattr(sweep_module, "COMMIT_SECONDS", 0.0)
     data_dir, feed, conn = lake
     plan = apply_catalog(data_dir, catalog_toml(
         policies=policy("llm", ("v1", "2026-01-01T00:00:00Z", LLM_V1)), prices=PRICES))
     ids = feed.add(*(llm(account, f"2026-11-01T00:00:{i:02d}Z", 100 + i)
                      for i in range(10) for account in ("acct_a", "acct_b")))
-    # One chunk per account: the first run commits, the second dies before its commit.
+    # One chunk per account; the second run dies before its commit (and the first with it
+    # when they commit together).
     with pytest.raises(RuntimeError, match="killed"):
         sweep(_CrashBeforeSecondRunCommits(conn), plan, lock(data_dir), chunk_events=10)
     [(runs, rated)] = rows(conn, "SELECT count(DISTINCT run_id), count(DISTINCT source_id) FROM lake.ratings")
-    assert (runs, rated) == (1, 10)
-    assert rows(conn, "SELECT count(*) FROM lake.rating_runs") == [(1,)]
-    # The lines files pyarrow wrote for the run that died are gone with it; the first
-    # run's are the table's.
+    kept = 1 if commits == "one run each" else 0
+    assert (runs, rated) == (kept, 10 * kept)
+    assert rows(conn, "SELECT count(*) FROM lake.rating_runs") == [(kept,)]
+    # The lines files pyarrow wrote for a run that died are gone with it; those of a
+    # committed run are the table's.
     folder = table_folder(conn, "rating_lines")
     assert folder is not None
     on_disk = {path.name for path in folder.glob("*.parquet")}
@@ -326,10 +336,10 @@ def test_a_run_that_dies_mid_way_leaves_nothing_and_the_next_sweep_resumes(lake:
         conn, "SELECT f.path FROM __ducklake_metadata_lake.ducklake_data_file AS f"
         " JOIN __ducklake_metadata_lake.ducklake_table AS t USING (table_id)"
         " WHERE t.table_name = 'rating_lines'")}
-    assert on_disk and on_disk == tracked
+    assert on_disk == tracked and len(on_disk) == kept
 
-    [resumed] = sweep(conn, plan, lock(data_dir), chunk_events=10)
-    assert resumed.events == 10
+    resumed = sweep(conn, plan, lock(data_dir), chunk_events=10)
+    assert sum(run.events for run in resumed) == 20 - 10 * kept
     per_event = dict(rows(conn, "SELECT source_id, count(DISTINCT run_id) FROM lake.ratings GROUP BY ALL"))
     assert sorted(per_event) == sorted(ids) and set(per_event.values()) == {1}
 
