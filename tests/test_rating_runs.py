@@ -480,18 +480,29 @@ def test_quantities_too_large_for_int64_sums_are_priced_in_sql_instead(lake: Any
         (2 ** 60 + 5, 2 ** 20), (2 ** 60 - 5, 2 ** 20)]
 
 
-@pytest.mark.parametrize("stage", ["memory", "parquet"])
+@pytest.mark.parametrize("stage", ["memory", "passes", "parquet"])
 def test_a_sweep_of_many_chunks_carries_each_account_whole(lake: Any, monkeypatch: Any,
                                                            stage: str) -> None:
-    # Rated events wait between the scan and their runs in memory, or (past the memory
-    # budget) in Parquet files; each account's lines land in one run either way.
+    # Rated events wait between the scan and their runs in memory; past the memory budget
+    # they are rated in passes over ranges of accounts that fit, and an account too big
+    # for memory waits in Parquet files. Each account's lines land in one run every way.
     import pipelines.sweep as sweep_module
 
-    if stage == "parquet":
-        monkeypatch.setattr(sweep_module, "_STAGED_EVENT_BYTES", 10 ** 12)
     data_dir, feed, conn = lake
     plan = apply_catalog(data_dir, catalog_toml(
         policies=policy("llm", ("v1", "2026-01-01T00:00:00Z", LLM_V1)), prices=PRICES))
+    stages: list[str] = []
+    for name in ("_memory_stage", "_parquet_stage"):
+        def counted(*args: Any, name: str = name, real: Any = getattr(sweep_module, name)) -> Any:
+            stages.append(name)
+            return real(*args)
+        monkeypatch.setattr(sweep_module, name, counted)
+    if stage == "passes":
+        # A budget of 10 events (each account has 4).
+        width = (sweep_module._STAGED_EVENT_BYTES + plan.slot_bytes()) * sweep_module._STAGE_OVERHEAD
+        monkeypatch.setattr(sweep_module, "_memory_limit", lambda conn: int(width * 10 * 4 / 3) + 4)
+    if stage == "parquet":
+        monkeypatch.setattr(sweep_module, "_STAGED_EVENT_BYTES", 10 ** 12)
     accounts = [f"acct_{n}" for n in range(6)]
     feed.add(*(llm(account, f"2026-11-01T00:00:0{i}Z", 600) for account in accounts for i in range(4)))
     spill = data_dir / "lake" / "spill"
@@ -503,3 +514,9 @@ def test_a_sweep_of_many_chunks_carries_each_account_whole(lake: Any, monkeypatc
                " GROUP BY ALL ORDER BY 1")
     assert got == [(account, [0, 150, 0, 150], 1) for account in accounts]
     assert spill.is_dir() and not list(spill.iterdir())  # the stage is gone
+    if stage == "memory":
+        assert stages == ["_memory_stage"]
+    elif stage == "passes":  # of at most 10 events: 2 accounts each
+        assert len(stages) >= 3 and set(stages) == {"_memory_stage"}
+    else:
+        assert set(stages) == {"_parquet_stage"}
