@@ -232,6 +232,9 @@ def bench(events: int, chunk_events: int, keep: Path | None) -> None:
     try:
         seconds = generate(folder, events)
         print(f"events={events:,}: generated in {seconds:.1f} s", flush=True)
+        # The lake just written goes to disk now, not during the steps measured (on 2 cores
+        # the kernel's writeback took a third off a 1 M event sweep that overlapped it).
+        os.sync()
         swept = _in_child("sweep", folder, chunk_events)
         raw = _in_child("raw", folder, chunk_events)
         sweep_rate = swept["events"] / swept["seconds"]

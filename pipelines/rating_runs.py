@@ -280,7 +280,6 @@ def write_lines_files(lines: pa.Table, run_id: str, folder: Path, parts: int = 1
 def write_lines_run(conn: duckdb.DuckDBPyConnection, *, run_id: str, kind: str,
                     started_at: datetime, params: Mapping[str, object], lines: pa.Table,
                     events: int, folder: Path | None = None,
-                    files: Sequence[Path] | None = None,
                     kinds: Sequence[tuple[object, ...]] = ()) -> RunSummary:
     """Append `lines` (columns event_id, realm, billing_account_id, occurred_at, line_id,
     quantity_minor, amount_xusd; kinds already recorded) to lake.rating_lines under `run_id`,
@@ -290,49 +289,25 @@ def write_lines_run(conn: duckdb.DuckDBPyConnection, *, run_id: str, kind: str,
     With `folder` (`warehouse.lake.table_folder`), pyarrow writes the Parquet files there,
     two at a time (`write_lines_files`), and the transaction adds them to the table
     (`ducklake_add_data_files`): measured on 1.6 M lines, 0.30 s and 0.54 CPU seconds
-    against 0.44 s and 0.80 for DuckDB's INSERT. With `files`, `lines` are already in
-    those files (written ahead, on another thread) and only the transaction is left. A
-    file of a transaction that did not commit is removed; one left by a crash is an orphan
-    that `compact-lake` deletes. With neither, the rows are INSERTed (handed over in
-    batches: DuckDB scans an Arrow table one batch per thread). `kinds`: line kinds
+    against 0.44 s and 0.80 for DuckDB's INSERT. A file of a transaction that did not
+    commit is removed; one left by a crash is an orphan that `compact-lake` deletes.
+    Without, the rows are INSERTed (handed over in batches: DuckDB scans an Arrow table
+    one batch per thread). A sweep writes its files ahead and commits several runs at
+    once instead (`write_lines_files`, `commit_written_runs`). `kinds`: line kinds
     (PRICED_KIND_COLUMNS) the lake lacks, recorded in the same transaction."""
     began = time.monotonic()
+    run = WrittenRun(run_id, kind, started_at, params, events, lines.num_rows,
+                     write_lines_files(lines, run_id, folder, 2)
+                     if folder is not None and lines.num_rows else [], began)
+    if folder is not None:
+        return commit_written_runs(conn, [run], kinds)[0]
     name = f"_run_lines_{run_id.rsplit('-', 1)[-1]}"
-    paths = list(files) if files is not None else (
-        write_lines_files(lines, run_id, folder, 2)
-        if folder is not None and lines.num_rows else [])
-    insert = files is None and folder is None
-    committed = False
+    conn.register(name, pa.Table.from_batches(lines.to_batches(max_chunksize=_ROW_GROUP),
+                                              schema=lines.schema))
     try:
-        if insert:
-            conn.register(name, pa.Table.from_batches(lines.to_batches(max_chunksize=_ROW_GROUP),
-                                                      schema=lines.schema))
-
-        def write() -> None:
-            with transaction(conn):
-                if kinds:
-                    insert_rows(conn, "lake.rating_line_kinds", list(kinds), PRICED_KIND_COLUMNS)
-                if paths:
-                    conn.execute("CALL ducklake_add_data_files('lake', 'rating_lines', ?)",
-                                 [[str(path) for path in paths]])
-                elif insert:
-                    conn.execute(
-                        f"INSERT INTO lake.rating_lines SELECT '{run_id}', event_id, realm,"
-                        " billing_account_id, occurred_at, line_id, quantity_minor, amount_xusd"
-                        f" FROM {name}")
-                conn.execute(
-                    "INSERT INTO lake.rating_runs VALUES (?, ?, 'completed', ?, ?, ?, ?, ?)",
-                    [run_id, kind, started_at, datetime.now(timezone.utc),
-                     json.dumps(dict(params), sort_keys=True), events, lines.num_rows])
-        with_lake_retry(write, attempts=10)
-        committed = True
+        return commit_written_runs(conn, [run], kinds, inserted=name)[0]
     finally:
-        if insert:
-            conn.unregister(name)
-        if not committed:
-            for path in paths:
-                path.unlink(missing_ok=True)
-    return RunSummary(run_id, kind, events, lines.num_rows, time.monotonic() - began)
+        conn.unregister(name)
 
 
 @dataclass
@@ -356,11 +331,13 @@ class WrittenRun:
 
 
 def commit_written_runs(conn: duckdb.DuckDBPyConnection, runs: Sequence[WrittenRun],
-                        kinds: Sequence[tuple[object, ...]] = ()) -> list[RunSummary]:
+                        kinds: Sequence[tuple[object, ...]] = (),
+                        inserted: str | None = None) -> list[RunSummary]:
     """Add the files of `runs` to lake.rating_lines and their completed lake.rating_runs rows
     (and `kinds`, PRICED_KIND_COLUMNS, the lake lacks) in ONE lake transaction: all of them
     or none (then their files are removed). Each commit costs ~0.1 CPU seconds in the
-    SQLite catalog whatever it holds, so a sweep commits its runs a few at a time."""
+    SQLite catalog whatever it holds, so a sweep commits its runs a few at a time.
+    `inserted`: a relation of the lines of the one run, INSERTed instead of files."""
     if not runs:
         return []
     committed = False
@@ -372,6 +349,12 @@ def commit_written_runs(conn: duckdb.DuckDBPyConnection, runs: Sequence[WrittenR
                 paths = [str(path) for run in runs for path in run.files]
                 if paths:
                     conn.execute("CALL ducklake_add_data_files('lake', 'rating_lines', ?)", [paths])
+                if inserted is not None:
+                    [run] = runs
+                    conn.execute(
+                        f"INSERT INTO lake.rating_lines SELECT '{run.run_id}', event_id, realm,"
+                        " billing_account_id, occurred_at, line_id, quantity_minor, amount_xusd"
+                        f" FROM {inserted}")
                 finished_at = datetime.now(timezone.utc)
                 insert_rows(conn, "lake.rating_runs", [
                     (run.run_id, run.kind, "completed", run.started_at, finished_at,

@@ -9,17 +9,19 @@
    event without an export id. An event is pending when no completed sweep, rerate or
    aggregate run holds a row for it; inline ratings do not count, they are provisional.
 3. Pending events are split into chunks of about `chunk_events` by a hash of the billing
-   account. One query rates every pending event (`RatingPlan.slots_sql`: a
-   row per event with its priced lines); numpy carries the remainders and prices each line
-   (`pipelines.carry`); the lines go to lake.rating_lines. With one chunk that is all; with
-   more, the rated events are staged once with their chunk (an Arrow table in memory, or
-   Parquet files past the memory budget), then each chunk is carried and written, the
-   next one carried while one commits. Each chunk becomes one run in one lake
-   transaction (`rating_runs.write_lines_run`): its rows and its rating_runs row land
-   together or not at all. A run whose sums might leave int64 is priced by the SQL window
-   in HUGEINT instead (`rating_plan.amounts_sql`, rows in lake.rating_rows).
-   A crash loses at most the chunk in flight, which the next sweep rates again; no event is
-   ever half rated. Memory stays flat however many events wait, and the events are read once.
+   account. A query rates the pending events (`RatingPlan.slots_sql`: a row per event with
+   its priced lines); numpy carries the remainders and prices each line (`pipelines.carry`);
+   the lines go to lake.rating_lines in Parquet files pyarrow writes. With one chunk that
+   is all; with more, the rated events are staged in memory as Arrow with their account's
+   bucket, whose counts make the chunks; two threads carry chunks and write their files
+   while this one commits them. Each chunk is one run; the runs ready at a commit (at least
+   one a second) go in one lake transaction (`rating_runs.commit_written_runs`): their
+   files and rating_runs rows land together or not at all. Events too many for the memory
+   budget are rated in passes over ranges of account buckets. A run whose sums might
+   leave int64 is priced by the SQL window in HUGEINT instead (`rating_plan.amounts_sql`,
+   rows in lake.rating_rows). A crash loses at most the runs not yet committed, which the
+   next sweep rates again; no event is ever half rated. Memory stays flat however many
+   events wait.
 4. All of an account's pending events fall in one chunk, so the carry of a run (per account,
    meter and price row, in occurred_at order, from 0) is exactly the carry one run over
    everything would give.
@@ -66,9 +68,10 @@ from warehouse.lake import table_folder
 __all__ = ["CHUNK_EVENTS", "Progress", "SlotLines", "event_rows_sql", "plan_chunks", "slot_lines", "sweep",
            "sweep_locked"]
 
-# Events per run. Smaller chunks shorten the stretches where the next chunk is not yet
-# carried or the last is still being written (one core idles): interleaved at 5 M events,
-# 5.7-6.2 s with chunks of 500,000 against 6.5-6.7 s with 1,000,000, and less memory.
+# Events per run (chunks are of equal size, an even number of them, about this big).
+# Smaller chunks shorten the stretches where one core idles (the first carry, the last
+# commit): interleaved at 5 M events, 5.7-6.2 s with chunks of 500,000 against 6.5-6.7 s
+# with 1,000,000 before two threads carried them; now within the noise, with less memory.
 CHUNK_EVENTS = 500_000
 BUCKETS = 1024  # account hash buckets; chunks are runs of consecutive buckets
 
