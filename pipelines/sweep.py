@@ -143,15 +143,19 @@ CLOCK_MARGIN = timedelta(hours=1)
 
 
 @dataclass(frozen=True)
-class _Runs:
+class _State:
     watermark: int  # the greatest export id a completed sweep had looked at (-1: none)
     since: datetime | None  # when that sweep read it
     recent: int  # completed batch runs that started after `since` (less the margin)
+    greatest: int  # the greatest export id in the lake now (-1: none)
+    unexported: int  # events without an export id
+    candidates: int  # events beyond the watermark or without an export id
 
 
-def _runs(conn: duckdb.DuckDBPyConnection) -> _Runs:
-    """What the completed batch runs tell a sweep, in one query: the watermark, and how many
-    runs started after it was read (so might hold rows of events beyond it)."""
+def _state(conn: duckdb.DuckDBPyConnection) -> _State:
+    """What the lake tells a sweep, in one query (each costs ~10-20 ms in the catalog): the
+    watermark, how many runs started after it was read (so might hold rows of events
+    beyond it), and the events beyond it."""
     margin = int(CLOCK_MARGIN.total_seconds())
     row = conn.execute(
         f"WITH runs AS ({batch_runs_sql()}), mark AS ("
@@ -159,14 +163,18 @@ def _runs(conn: duckdb.DuckDBPyConnection) -> _Runs:
         " coalesce(CAST(json_extract_string(params, '$.through_read_at') AS TIMESTAMPTZ),"
         " started_at) AS read_at FROM runs WHERE kind = 'sweep'"
         " AND json_extract_string(params, '$.through_export_id') IS NOT NULL"
-        " ORDER BY 1 DESC, 2 DESC LIMIT 1)"
-        " SELECT (SELECT through FROM mark), (SELECT read_at FROM mark),"
+        " ORDER BY 1 DESC, 2 DESC LIMIT 1),"
+        " watermark AS (SELECT coalesce((SELECT through FROM mark), -1) AS through)"
+        " SELECT (SELECT through FROM watermark), (SELECT read_at FROM mark),"
         " (SELECT count(*) FROM runs WHERE NOT EXISTS (SELECT 1 FROM mark)"
-        f"  OR runs.started_at >= (SELECT read_at FROM mark) - INTERVAL {margin} SECONDS)"
-        ).fetchone()
-    if row is None or row[0] is None:
-        return _Runs(-1, None, int(row[2]) if row else 0)
-    return _Runs(int(row[0]), row[1], int(row[2]))
+        f"  OR runs.started_at >= (SELECT read_at FROM mark) - INTERVAL {margin} SECONDS),"
+        " e.*"
+        " FROM (SELECT coalesce(max(export_id), -1), count(*) FILTER (export_id IS NULL),"
+        "  count(*) FILTER (export_id IS NULL OR export_id > (SELECT through FROM watermark))"
+        "  FROM lake.events) AS e").fetchone()
+    if row is None:
+        return _State(-1, None, 0, -1, 0, 0)
+    return _State(int(row[0]), row[1], int(row[2]), int(row[3]), int(row[4]), int(row[5]))
 
 
 # Up to this many (line, price row) pairs, line kinds are looked up in a table.
@@ -375,16 +383,12 @@ def sweep_locked(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, *,
     """`sweep` for a caller that already holds the rating lock. `scratch` is a folder for
     the Parquet stage of a sweep too big for memory (a temporary folder when None)."""
     plan.install(conn)
-    runs = _runs(conn)
-    watermark, since = runs.watermark, runs.since
     read_at = datetime.now(timezone.utc)  # before the greatest export id is read
-    row = conn.execute(
-        "SELECT coalesce(max(export_id), -1), count(*) FILTER (export_id IS NULL),"
-        " count(*) FILTER (export_id IS NULL OR export_id > ?) FROM lake.events",
-        [watermark]).fetchone()
-    through = max(watermark, int(row[0]) if row else -1)
-    unexported = bool(row and row[1])
-    candidates = int(row[2]) if row else 0
+    state = _state(conn)
+    watermark, since = state.watermark, state.since
+    through = max(watermark, state.greatest)
+    unexported = bool(state.unexported)
+    candidates = state.candidates
     if not candidates:
         return []
     # An event exported beyond the watermark was not in the lake when the watermark sweep
@@ -394,7 +398,7 @@ def sweep_locked(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, *,
     # event without an export id (loaded into the lake by hand) is checked against all runs.
     recent = "TRUE" if since is None else f"b.started_at >= {sql_instant(since - CLOCK_MARGIN)}"
     anti = ""
-    if runs.recent:
+    if state.recent:
         # Only when such runs exist: the anti-join costs ~0.2 s per million pending events
         # even when it removes nothing. That saves it on a lake's first sweep (and in
         # bench/rating.py) only: a later sweep always finds the run of the watermark.
