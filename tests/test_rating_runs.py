@@ -497,14 +497,19 @@ def test_a_sweep_of_many_chunks_carries_each_account_whole(lake: Any, monkeypatc
             stages.append(name)
             return real(*args)
         monkeypatch.setattr(sweep_module, name, counted)
+    width = sweep_module._stage_width
     if stage == "passes":
         # A budget of 10 events (each account has 4).
-        width = (sweep_module._STAGED_EVENT_BYTES + plan.slot_bytes()) * sweep_module._STAGE_OVERHEAD
-        monkeypatch.setattr(sweep_module, "_memory_limit", lambda conn: int(width * 10 * 4 / 3) + 4)
+        monkeypatch.setattr(sweep_module, "_stage_width", lambda *args: 100.0)
+        monkeypatch.setattr(sweep_module, "_memory_limit", lambda conn: 100 * 10 * 4 // 3 + 4)
     if stage == "parquet":
-        monkeypatch.setattr(sweep_module, "_STAGED_EVENT_BYTES", 10 ** 12)
+        monkeypatch.setattr(sweep_module, "_stage_width", lambda *args: 10.0 ** 12)
     accounts = [f"acct_{n}" for n in range(6)]
     feed.add(*(llm(account, f"2026-11-01T00:00:0{i}Z", 600) for account in accounts for i in range(4)))
+    # The stage's estimate counts the realm's and the account's text.
+    [(realm,)] = rows(conn, "SELECT DISTINCT realm FROM lake.events")
+    assert width(conn, plan.slot_bytes(), "TRUE") == pytest.approx(
+        (36 + plan.slot_bytes() + len(realm) + len("acct_0")) * 1.1)
     spill = data_dir / "lake" / "spill"
     runs = sweep(conn, plan, lock(data_dir), chunk_events=5, scratch=spill)
     assert len(runs) >= 3 and sum(r.events for r in runs) == 24
