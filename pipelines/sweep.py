@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -528,7 +529,7 @@ def _sweep_pass(conn: duckdb.DuckDBPyConnection, writer: _RunWriter, rated: str,
         kept = [i for i, c in enumerate(chunks)
                 if c.events or (i == len(chunks) - 1 and through is not None)]
         runs: list[RunSummary] = []
-        ahead: deque[Future[_Prepared]] = deque()
+        ahead: deque[Future[_Prepared | None]] = deque()
         waiting: list[_Prepared] = []  # prepared, in order, not yet committed
         waiting_events = 0
         last_commit = time.monotonic()
@@ -541,14 +542,20 @@ def _sweep_pass(conn: duckdb.DuckDBPyConnection, writer: _RunWriter, rated: str,
             waiting_events = 0
             last_commit = time.monotonic()
 
+        stop = threading.Event()
+
+        def prepare_unless_stopped(index: int) -> _Prepared | None:
+            return None if stop.is_set() else prepare(index)
+
         with ThreadPoolExecutor(_PREPARERS) as pool:
             try:
                 queued = 0
                 for position, index in enumerate(kept):
                     while queued < len(kept) and queued <= position + _PREPARERS:
-                        ahead.append(pool.submit(prepare, kept[queued]))
+                        ahead.append(pool.submit(prepare_unless_stopped, kept[queued]))
                         queued += 1
                     prepared = ahead.popleft().result()
+                    assert prepared is not None  # (stopped only below)
                     chunk = chunks[index]
                     prepared.params = {"buckets": [chunk.first_bucket, chunk.last_bucket]}
                     if index == len(chunks) - 1 and through is not None:
@@ -564,14 +571,20 @@ def _sweep_pass(conn: duckdb.DuckDBPyConnection, writer: _RunWriter, rated: str,
                             or time.monotonic() - last_commit >= COMMIT_SECONDS):
                         commit_waiting()
             finally:
-                # Runs prepared ahead of a failure: their files never reach the lake.
+                # After a failure (or a signal to stop: promptly), runs not committed never
+                # reach the lake: their files are removed, and chunks not begun are not.
+                stop.set()
                 for prepared in waiting:
                     prepared.discard()
                 for future in ahead:
+                    if future.cancel():
+                        continue
                     try:
-                        future.result().discard()
+                        left = future.result()
                     except Exception:  # noqa: BLE001 (the first failure is the one raised)
-                        pass
+                        continue
+                    if left is not None:
+                        left.discard()
         return runs
     finally:
         shutil.rmtree(folder, ignore_errors=True)
