@@ -84,7 +84,6 @@ class Chunk:
     first_bucket: int
     last_bucket: int
     events: int  # candidates in these buckets
-    events_part: int = 0  # its share of the events (see group_buckets)
 
     def where(self, alias: str) -> str:
         return (f"hash({alias}.billing_account_id) % {BUCKETS}"
@@ -114,14 +113,16 @@ def group_buckets(counts: Iterable[tuple[int, int]], chunk_events: int, multiple
         parts = -(-parts // multiple) * multiple
     chunks: list[Chunk] = []
     before = 0
+    last_part = -1
     for bucket, count in found:
         # A bucket goes to the part its first event falls in, by equal shares of the total.
         part = before * parts // total
-        if chunks and part == chunks[-1].events_part:
+        if chunks and part == last_part:
             last = chunks[-1]
-            chunks[-1] = Chunk(last.first_bucket, bucket, last.events + count, part)
+            chunks[-1] = Chunk(last.first_bucket, bucket, last.events + count)
         else:
-            chunks.append(Chunk(bucket, bucket, count, part))
+            chunks.append(Chunk(bucket, bucket, count))
+        last_part = part
         before += count
     return chunks
 
