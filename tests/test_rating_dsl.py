@@ -3,6 +3,7 @@ with their paths, and property tests that the DuckDB SQL agrees with the Python 
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections import defaultdict
 from collections.abc import Iterator
@@ -463,6 +464,30 @@ def test_div_rounding_floor_nearest_half_up_and_ceil(
     # (a + 10b) / b is a/b + 10, which keeps negative quotients visible past the clamp to 0.
     for rounding, expected in (("floor", floor), ("nearest", nearest), ("ceil", ceil)):
         assert quantity(duck, div(a + 10 * b, b, rounding), event()) == expected + 10
+
+
+def test_division_by_a_constant_in_bigint_equals_the_hugeint_division_and_python(
+    duck: duckdb.DuckDBPyConnection,
+) -> None:
+    # The sweep divides by a constant in BIGINT; every edge of BIGINT, both signs, exact
+    # multiples and halves must round exactly as the general (HUGEINT) division and Python.
+    evaluate_module = importlib.import_module("pipelines.rating.evaluate")
+    from pipelines.rating import compile_sql
+
+    divisors = [1, 2, 3, 7, 1000, 1024, 2**62, INT64_MAX - 1, INT64_MAX]
+    numerators = sorted({n + d for n in (INT64_MIN, -2048, -1024, -7, -3, 0, 3, 7, 1024, 2**62, INT64_MAX)
+                         for d in (-2, -1, 0, 1, 2) if INT64_MIN <= n + d <= INT64_MAX}
+                        | {-(2**62), -(2**62) - 1, -512, 512, 1536, -1536, -1500, 1500})
+    rows = ", ".join(f"({n})" for n in numerators)
+    for rounding in ("floor", "ceil", "nearest"):
+        for divisor in divisors:
+            fast = compile_sql._divide_by_constant("x", divisor, rounding)
+            general = compile_sql._divide("x", f"CAST({divisor} AS BIGINT)", rounding)
+            got = duck.execute(f"SELECT x, {fast}, {general} FROM (VALUES {rows}) AS t(x) ORDER BY x").fetchall()
+            assert len(got) == len(numerators)
+            for x, in_bigint, in_hugeint in got:
+                expected = evaluate_module._divide(x, divisor, rounding)
+                assert (in_bigint, in_hugeint) == (expected, expected), (x, divisor, rounding)
 
 
 def test_label_int_reads_labels(duck: duckdb.DuckDBPyConnection) -> None:

@@ -223,6 +223,23 @@ def _divide(left: str, right: str, rounding: Rounding) -> str:
     )
 
 
+def _divide_by_constant(left: str, divisor: int, rounding: Rounding) -> str:
+    """`_divide` by a constant of at least 1, in BIGINT: nothing here can overflow (the
+    quotient's magnitude is at most the numerator's, and a step of 1 is added only when the
+    divisor is at least 2), so HUGEINT is not needed. HUGEINT division cost a sweep of the
+    benchmark's policies ~0.1-0.2 CPU seconds per 5 M events over this."""
+    x, c = "div_args", f"CAST({divisor} AS BIGINT)"
+    floor = f"(({x} // {c}) - CAST(({x} % {c}) < 0 AS BIGINT))"
+    if rounding == "floor":
+        body = floor
+    elif rounding == "ceil":
+        body = f"(({x} // {c}) + CAST(({x} % {c}) > 0 AS BIGINT))"
+    else:  # floor(x/c + 1/2): one more when the floored remainder r has 2r >= c
+        r = f"(CASE WHEN ({x} % {c}) < 0 THEN ({x} % {c}) + {c} ELSE {x} % {c} END)"
+        body = f"({floor} + CAST({r} >= {c} - {r} AS BIGINT))"
+    return _clamp(f"list_transform([CAST({left} AS BIGINT)], lambda {x}: {body})[1]")
+
+
 def _quantity(node: IntExpr, leaf: Callable[[EventLeaf], str]) -> str:
     match node:
         case Const(value):
@@ -230,6 +247,8 @@ def _quantity(node: IntExpr, leaf: Callable[[EventLeaf], str]) -> str:
         case Mul(left, right):
             a, b = _quantity(left, leaf), _quantity(right, leaf)
             return _clamp(f"CAST({a} AS HUGEINT) * CAST({b} AS HUGEINT)")
+        case Div(left, Const(divisor), rounding) if 1 <= divisor <= INT64_MAX:
+            return _divide_by_constant(_quantity(left, leaf), divisor, rounding)
         case Div(left, right, rounding):
             return _divide(_quantity(left, leaf), _quantity(right, leaf), rounding)
         case PayloadInt() | LabelInt() | Agg():
