@@ -206,7 +206,26 @@ class _RunWriter:
         self.folder = table_folder(conn, "rating_lines")
         # Kinds the lake lacks go in with the first run's rows, in its transaction (on
         # their own they took a transaction more: ~0.1 s of every sweep that adds one).
-        self.missing = missing_kinds(conn, kinds)
+        # A sweep of chunks looks them up while its threads carry the first chunks
+        # (`look_up_kinds`): before the scan, the lookup's ~25 ms were on its critical path.
+        self._kinds = kinds
+        self._missing: list[tuple[object, ...]] | None = None
+
+    def look_up_kinds(self) -> None:
+        """Find the line kinds the lake lacks, unless done already."""
+        if self._missing is None:
+            self._missing = missing_kinds(self.conn, self._kinds)
+
+    @property
+    def missing(self) -> list[tuple[object, ...]]:
+        """The line kinds the lake lacks, until a commit records them."""
+        self.look_up_kinds()
+        assert self._missing is not None
+        return self._missing
+
+    @missing.setter
+    def missing(self, kinds: list[tuple[object, ...]]) -> None:
+        self._missing = kinds
 
     def columns(self) -> str:
         """The columns of `slots_sql` the writer reads."""
@@ -555,6 +574,7 @@ def _sweep_pass(conn: duckdb.DuckDBPyConnection, writer: _RunWriter, rated: str,
                     while queued < len(kept) and queued <= position + _PREPARERS:
                         ahead.append(pool.submit(prepare_unless_stopped, kept[queued]))
                         queued += 1
+                    writer.look_up_kinds()  # (the first time: while the first chunks are carried)
                     prepared = ahead.popleft().result()
                     assert prepared is not None  # (stopped only below)
                     chunk = chunks[index]
