@@ -256,10 +256,14 @@ def write_lines_files(lines: pa.Table, run_id: str, folder: Path, parts: int = 1
     paths = [folder / f"{run_id}-{n}.parquet" for n in range(len(slices))]
 
     def write(n: int) -> None:
-        rows = slices[n]
-        run = pa.DictionaryArray.from_arrays(pa.array(np.zeros(rows.num_rows, dtype=np.int32)),
+        run = pa.DictionaryArray.from_arrays(pa.array(np.zeros(slices[n].num_rows, dtype=np.int32)),
                                              pa.array([run_id]))
-        pq.write_table(rows.add_column(0, "run_id", run), paths[n], compression="snappy",
+        rows = slices[n].add_column(0, "run_id", run)
+        # A column without NULLs is written as required: no definition levels to encode
+        # (a tenth of the writing's CPU). DuckLake reads it like any other.
+        rows = rows.cast(pa.schema([field.with_nullable(rows.column(field.name).null_count > 0)
+                                    for field in rows.schema]))
+        pq.write_table(rows, paths[n], compression="snappy",
                        row_group_size=_ROW_GROUP,
                        use_dictionary=["run_id", "realm", "billing_account_id"],
                        write_statistics=_STATISTICS)
