@@ -1,7 +1,7 @@
 """Rating sweep throughput and memory, next to the raw limit measured in the same run.
 
     python bench/rating.py [--events 5000000] [--sizes 1000000,5000000,20000000]
-                           [--chunk-events 1000000] [--keep DIR]
+                           [--repeat 3] [--chunk-events 500000] [--keep DIR]
 
 For each size: N events across 1,000 accounts and 30 days go straight into a fresh lake (a
 bulk Arrow insert per million, no HTTP), with a generated catalog of three single-engine
@@ -16,6 +16,11 @@ memory (ru_maxrss) is the step's own:
 
 The sweep's share of the raw scan's rate is printed last, with its CPU seconds against the
 raw scan's. `nproc` is printed first: the targets are for 2 cores.
+
+The machine's speed moves by a tenth or more from one run to the next, so each size is
+measured `--repeat` times (3 by default) on the same generated lake, restored from a copy
+before every sweep, as raw, sweep, raw, sweep, ..., raw: every sweep is compared with the
+scans just before and after it. Each repetition is printed, then their median.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -228,36 +234,61 @@ def _gib(kib: float) -> str:
     return f"{kib / 1024 / 1024:.2f} GiB"
 
 
-def bench(events: int, chunk_events: int, keep: Path | None) -> None:
+def _restore(folder: Path, pristine: Path) -> None:
+    """The data folder as generated (the lake records its absolute data path, so it is
+    copied back to where it was made)."""
+    shutil.rmtree(folder)
+    shutil.copytree(pristine, folder, symlinks=True)
+    os.sync()
+
+
+def bench(events: int, chunk_events: int, keep: Path | None, repeat: int = 3) -> None:
     folder = Path(tempfile.mkdtemp(prefix="tollgate-bench-", dir=keep))
+    pristine = folder.with_name(folder.name + "-generated")
     try:
         seconds = generate(folder, events)
         print(f"events={events:,}: generated in {seconds:.1f} s", flush=True)
+        if repeat > 1:
+            shutil.copytree(folder, pristine, symlinks=True)
         # The lake just written goes to disk now, not during the steps measured (on 2 cores
         # the kernel's writeback took a third off a 1 M event sweep that overlapped it).
         os.sync()
-        # The raw scan just before and just after the sweep: the machine's speed moves
+        # The raw scan just before and just after each sweep: the machine's speed moves
         # within minutes, and their mean is what the sweep is compared with.
-        before = _in_child("raw", folder, chunk_events)
-        swept = _in_child("sweep", folder, chunk_events)
-        after = _in_child("raw", folder, chunk_events)
-        sweep_rate = swept["events"] / swept["seconds"]
-        raw_seconds = (before["seconds"] + after["seconds"]) / 2
-        raw_rate = before["events"] / raw_seconds
-        print(f"  sweep:    {swept['events']:,.0f} events rated in {swept['seconds']:.2f} s"
-              f" = {sweep_rate:,.0f} events/s ({swept['lines']:,.0f} rating rows,"
-              f" {swept['runs']:.0f} runs); CPU {swept['cpu']:.2f} s; peak RSS {_gib(swept['maxrss_kib'])}",
-              flush=True)
-        print(f"  raw scan: {before['events']:,.0f} events, {len(PATHS)} payload paths in"
-              f" {before['seconds']:.2f} s before the sweep and {after['seconds']:.2f} s after"
-              f" (mean {raw_seconds:.2f} s = {raw_rate:,.0f} events/s); CPU"
-              f" {before['cpu']:.2f} s and {after['cpu']:.2f} s; peak RSS {_gib(before['maxrss_kib'])}")
-        print(f"  sweep rate = {100 * sweep_rate / raw_rate:.0f} % of the raw scan;"
-              f" sweep CPU = {2 * swept['cpu'] / (before['cpu'] + after['cpu']):.2f}x the raw scan's",
-              flush=True)
+        raws = [_in_child("raw", folder, chunk_events)]
+        ratios: list[float] = []
+        rates: list[float] = []
+        for number in range(repeat):
+            if number:
+                _restore(folder, pristine)
+            swept = _in_child("sweep", folder, chunk_events)
+            raws.append(_in_child("raw", folder, chunk_events))
+            before, after = raws[-2], raws[-1]
+            sweep_rate = swept["events"] / swept["seconds"]
+            raw_seconds = (before["seconds"] + after["seconds"]) / 2
+            raw_rate = before["events"] / raw_seconds
+            rates.append(sweep_rate)
+            ratios.append(sweep_rate / raw_rate)
+            label = f" [{number + 1}/{repeat}]" if repeat > 1 else ""
+            print(f"  sweep{label}: {swept['events']:,.0f} events rated in {swept['seconds']:.2f} s"
+                  f" = {sweep_rate:,.0f} events/s ({swept['lines']:,.0f} rating rows,"
+                  f" {swept['runs']:.0f} runs); CPU {swept['cpu']:.2f} s; peak RSS {_gib(swept['maxrss_kib'])}",
+                  flush=True)
+            print(f"  raw scan: {before['events']:,.0f} events, {len(PATHS)} payload paths in"
+                  f" {before['seconds']:.2f} s before the sweep and {after['seconds']:.2f} s after"
+                  f" (mean {raw_seconds:.2f} s = {raw_rate:,.0f} events/s); CPU"
+                  f" {before['cpu']:.2f} s and {after['cpu']:.2f} s; peak RSS {_gib(before['maxrss_kib'])}")
+            print(f"  sweep rate = {100 * sweep_rate / raw_rate:.0f} % of the raw scan;"
+                  f" sweep CPU = {2 * swept['cpu'] / (before['cpu'] + after['cpu']):.2f}x the raw scan's",
+                  flush=True)
+        if repeat > 1:
+            print(f"  median of {repeat}: {statistics.median(rates):,.0f} events/s,"
+                  f" {100 * statistics.median(ratios):.0f} % of the raw scan"
+                  f" (each: {', '.join(f'{100 * r:.0f} %' for r in ratios)})", flush=True)
     finally:
         if keep is None:
             shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(pristine, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--events", type=int, default=5_000_000)
     parser.add_argument("--sizes", help="comma-separated event counts, e.g. 1000000,5000000")
     parser.add_argument("--chunk-events", type=int, default=CHUNK_EVENTS)
+    parser.add_argument("--repeat", type=int, default=3, help="sweeps per size (median shown)")
     parser.add_argument("--keep", type=Path, help="make the data folders here and keep them")
     parser.add_argument("--step", choices=("sweep", "raw"), help=argparse.SUPPRESS)
     parser.add_argument("--data-dir", type=Path, help=argparse.SUPPRESS)
@@ -278,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"nproc: {os.cpu_count()} (sched_getaffinity: {len(os.sched_getaffinity(0))})")
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else [args.events]
     for size in sizes:
-        bench(size, args.chunk_events, args.keep)
+        bench(size, args.chunk_events, args.keep, max(args.repeat, 1))
     return 0
 
 
