@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flows.workspace import open_lake, scratch_dir  # noqa: E402
+from flows.workspace import close_lake, open_lake, scratch_dir  # noqa: E402
 from pipelines.catalog import load_catalog  # noqa: E402
 from pipelines.rating_plan import RatingPlan  # noqa: E402
 from pipelines.rating_runs import RatingLock  # noqa: E402
@@ -201,7 +201,7 @@ def run_sweep(data_dir: Path, chunk_events: int) -> dict[str, float]:
     runs = sweep(conn, plan, RatingLock(data_dir / "lake" / "rating.lock"),
                  chunk_events=chunk_events, scratch=scratch_dir(data_dir))
     seconds, cpu = time.monotonic() - began, _cpu() - cpu
-    conn.close()
+    close_lake(conn)
     return {"seconds": seconds, "cpu": cpu, "events": sum(r.events for r in runs),
             "lines": sum(r.lines for r in runs), "runs": len(runs)}
 

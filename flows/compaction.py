@@ -7,7 +7,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.workspace import open_lake, resolve_data_dir
+from flows.workspace import close_lake, open_lake, resolve_data_dir
 from warehouse.compaction import compact_lake as compact
 
 __all__ = ["compact_lake"]
@@ -20,7 +20,7 @@ def compact_lake(data_dir: str | None = None, retention_hours: float = 7 * 24) -
     try:
         report = compact(conn, retention=timedelta(hours=retention_hours))
     finally:
-        conn.close()
+        close_lake(conn)
     get_run_logger().info("merged %d files, expired %d snapshots, deleted %d files",
                           report.merged_files, report.expired_snapshots, report.deleted_files)
     return {"merged_files": report.merged_files, "expired_snapshots": report.expired_snapshots,

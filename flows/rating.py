@@ -15,6 +15,7 @@ from prefect import flow, get_run_logger
 from flows.progress import RunProgress
 from flows.workspace import (
     applied_catalog,
+    close_lake,
     open_lake,
     parse_instant,
     rating_lock,
@@ -72,7 +73,7 @@ def rate_events(data_dir: str | None = None, chunk_events: int = CHUNK_EVENTS) -
         runs = with_lake_retry(lambda: sweep(conn, plan, _lock(folder), chunk_events=chunk_events,
                                              scratch=scratch_dir(folder)), attempts=_ATTEMPTS)
     finally:
-        conn.close()
+        close_lake(conn)
     result = _report(runs)
     get_run_logger().info("rated %d events in %d runs (%d rows)", result["events"],
                           len(runs), result["lines"])
@@ -106,7 +107,7 @@ def rerate(occurred_from: str, occurred_to: str, accounts: list[str] | None = No
             conn, plan, _lock(folder), lateness=_lateness(catalog),
             scratch=scratch_dir(folder)), attempts=_ATTEMPTS)
     finally:
-        conn.close()
+        close_lake(conn)
     # `events` counts the re-rated events only: the sweep that close-aggregate-days runs
     # first rates whatever was pending, which this backfill did not re-rate.
     result = _report(runs + after)
@@ -190,7 +191,7 @@ def close_aggregate_days(data_dir: str | None = None, now: str | None = None) ->
             conn, plan, _lock(folder), lateness=_lateness(catalog), now=moment,
             scratch=scratch_dir(folder)), attempts=_ATTEMPTS)
     finally:
-        conn.close()
+        close_lake(conn)
     result = _report(runs)
     get_run_logger().info("%d runs, %d aggregate days", len(runs),
                           sum(r.events for r in runs if r.kind == "aggregate"))

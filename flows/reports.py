@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 
-from flows.workspace import open_lake, resolve_data_dir
+from flows.workspace import close_lake, open_lake, resolve_data_dir
 from pipelines.usage_reports import REPORT_COLUMNS, build_usage_report
 from warehouse.lake import transaction, with_lake_retry
 
@@ -54,7 +54,7 @@ def publish_usage_reports(data_dir: str | None = None) -> dict[str, Any]:
         with_lake_retry(write)
         conn.unregister("report_rows")
     finally:
-        conn.close()
+        close_lake(conn)
     files = _write_parquet(folder / "reports", run_id, report)
     counts = {period: _publish_artifact(report, period, run_id) for period in ("day", "month")}
     get_run_logger().info("published %s: %d day rows, %d month rows", run_id, counts["day"],

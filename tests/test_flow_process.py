@@ -14,10 +14,11 @@ import json, sys
 from pathlib import Path
 import pyarrow as pa
 before = pa.default_memory_pool().backend_name
-from flows.workspace import open_lake
+from flows.workspace import close_lake, open_lake
 conn = open_lake(Path(sys.argv[1]))
 conn.execute("SELECT count(*) FROM lake.events").fetchall()
-open_lake(Path(sys.argv[1])).close()  # a second flow in the process: settled once, still fine
+close_lake(conn)  # gives the memory kept for reuse back
+close_lake(open_lake(Path(sys.argv[1])))  # a second flow in the process: settled once
 status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
 print(json.dumps({"before": before, "after": pa.default_memory_pool().backend_name,
                   "thp": status.get("THP_enabled", "").strip()}))
