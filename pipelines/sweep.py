@@ -272,6 +272,10 @@ class _RunWriter:
                 prepared.run_id, "sweep", started_at, {}, events.num_rows, rows.num_rows,
                 write_lines_files(rows, prepared.run_id, self.folder, files) if rows.num_rows else [],
                 prepared.began)
+            # Its lines are in files: the commit needs none of its events. Kept until the
+            # commit (a sweep of 5 M events commits once, at the end), they were ~40 MB a
+            # chunk of memory faulted in afresh: 400 MB more at the peak, and ~0.2 CPU s.
+            prepared.events = None
         return prepared
 
     def commit(self, runs: list[_Prepared]) -> list[RunSummary]:
@@ -293,6 +297,7 @@ class _RunWriter:
 
     def _commit_alone(self, prepared: _Prepared) -> RunSummary:
         run_id, started_at, params = prepared.run_id, prepared.started_at, prepared.params
+        assert prepared.events is not None  # (kept for every run without files)
         if prepared.rows is not None:
             summary = write_lines_run(self.conn, run_id=run_id, kind="sweep",
                                       started_at=started_at, params=params,
@@ -376,7 +381,7 @@ class _Prepared:
     run_id: str
     started_at: datetime
     began: float
-    events: pa.Table  # the chunk's rated events, as read
+    events: pa.Table | None  # the chunk's rated events, as read (None once its lines are in files)
     # Its lines in files, waiting for the commit; or (no folder for files) the rows to
     # INSERT; neither: priced in SQL (HUGEINT) at the commit.
     written: WrittenRun | None = None
