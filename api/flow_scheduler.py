@@ -19,6 +19,7 @@ import sys
 import threading
 
 from api.config import Settings
+from flows.process_memory import environment
 
 __all__ = ["FlowScheduler"]
 
@@ -53,10 +54,11 @@ class FlowScheduler:
 
     @staticmethod
     def _spawn(settings: Settings) -> subprocess.Popen[bytes]:
+        # glibc's tunables for a flow's process apply from its first allocation there.
         return subprocess.Popen(
             [sys.executable, "-m", "flows.scheduler", "--data-dir", str(settings.data_dir),
              "--parent-pid", str(os.getpid())],
-            start_new_session=True,
+            start_new_session=True, env=environment(os.environ),
         )
 
     def _watch(self) -> None:

@@ -19,8 +19,10 @@ raw scan's. `nproc` is printed first: the targets are for 2 cores.
 
 The machine's speed moves by a tenth or more from one run to the next, so each size is
 measured `--repeat` times (3 by default) on the same generated lake, restored from a copy
-before every sweep, as raw, sweep, raw, sweep, ..., raw: every sweep is compared with the
-scans just before and after it. Each repetition is printed, then their median.
+before each repetition (raw, sweep, raw): every sweep is compared with the scans just before
+and after it. Each repetition is printed, then the medians of the rate and of the share
+(each over the repetitions, so they may come from different ones). The raw scan runs as a
+bare DuckDB scan, without the flows' process settings.
 """
 
 from __future__ import annotations
@@ -257,17 +259,17 @@ def bench(events: int, chunk_events: int, keep: Path | None, repeat: int = 3) ->
         # The lake just written goes to disk now, not during the steps measured (on 2 cores
         # the kernel's writeback took a third off a 1 M event sweep that overlapped it).
         os.sync()
-        # The raw scan just before and just after each sweep: the machine's speed moves
-        # within minutes, and their mean is what the sweep is compared with.
-        raws = [_in_child("raw", folder, chunk_events)]
+        # The raw scan just before and just after each sweep, on the lake it sweeps: the
+        # machine's speed moves within minutes, and their mean is what the sweep is
+        # compared with.
         ratios: list[float] = []
         rates: list[float] = []
         for number in range(repeat):
             if number:
                 _restore(folder, pristine)
+            before = _in_child("raw", folder, chunk_events)
             swept = _in_child("sweep", folder, chunk_events)
-            raws.append(_in_child("raw", folder, chunk_events))
-            before, after = raws[-2], raws[-1]
+            after = _in_child("raw", folder, chunk_events)
             sweep_rate = swept["events"] / swept["seconds"]
             raw_seconds = (before["seconds"] + after["seconds"]) / 2
             raw_rate = before["events"] / raw_seconds

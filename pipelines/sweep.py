@@ -64,7 +64,7 @@ from pipelines.rating_runs import (
     write_lines_run,
     write_run,
 )
-from warehouse.lake import table_folder
+from warehouse.lake import table_folder, with_lake_retry
 
 __all__ = ["CHUNK_EVENTS", "Progress", "SlotLines", "event_rows_sql", "plan_chunks", "slot_lines", "sweep",
            "sweep_locked"]
@@ -214,7 +214,8 @@ class _RunWriter:
     def look_up_kinds(self) -> None:
         """Find the line kinds the lake lacks, unless done already."""
         if self._missing is None:
-            self._missing = missing_kinds(self.conn, self._kinds)
+            # (after the scan: a busy catalog must not throw the scan's work away)
+            self._missing = with_lake_retry(lambda: missing_kinds(self.conn, self._kinds))
 
     @property
     def missing(self) -> list[tuple[object, ...]]:
