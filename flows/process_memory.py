@@ -32,7 +32,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import threading
 from collections.abc import Mapping
 
 __all__ = ["environment", "release_process_memory", "settle_process_memory"]
@@ -47,10 +46,6 @@ _TRIM_THRESHOLD = 1 << 30
 # The same three as glibc tunables, read when a process starts.
 _TUNABLES = {"glibc.malloc.arena_max": 1, "glibc.malloc.mmap_threshold": _MMAP_THRESHOLD,
              "glibc.malloc.trim_threshold": _TRIM_THRESHOLD}
-
-_settling = threading.Lock()
-_SETTLED: list[bool] = []
-
 
 @functools.cache
 def _libc() -> ctypes.CDLL | None:
@@ -75,12 +70,9 @@ def environment(base: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+@functools.cache
 def settle_process_memory() -> None:
-    """Apply the settings above to this process, once."""
-    with _settling:
-        if _SETTLED:
-            return
-        _SETTLED.append(True)
+    """Apply the settings above to this process, once (each is idempotent)."""
     import pyarrow as pa  # (here: a scheduler that only spawns needs no Arrow)
 
     pa.set_memory_pool(pa.system_memory_pool())

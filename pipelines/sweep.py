@@ -209,24 +209,14 @@ class _RunWriter:
         # A sweep of chunks looks them up while its threads carry the first chunks
         # (`look_up_kinds`): before the scan, the lookup's ~25 ms were on its critical path.
         self._kinds = kinds
-        self._missing: list[tuple[object, ...]] | None = None
+        self.missing: list[tuple[object, ...]] | None = None  # None: not looked up yet
 
-    def look_up_kinds(self) -> None:
-        """Find the line kinds the lake lacks, unless done already."""
-        if self._missing is None:
+    def look_up_kinds(self) -> list[tuple[object, ...]]:
+        """The line kinds the lake lacks (looked up the first time), until a commit records them."""
+        if self.missing is None:
             # (after the scan: a busy catalog must not throw the scan's work away)
-            self._missing = with_lake_retry(lambda: missing_kinds(self.conn, self._kinds))
-
-    @property
-    def missing(self) -> list[tuple[object, ...]]:
-        """The line kinds the lake lacks, until a commit records them."""
-        self.look_up_kinds()
-        assert self._missing is not None
-        return self._missing
-
-    @missing.setter
-    def missing(self, kinds: list[tuple[object, ...]]) -> None:
-        self._missing = kinds
+            self.missing = with_lake_retry(lambda: missing_kinds(self.conn, self._kinds))
+        return self.missing
 
     def columns(self) -> str:
         """The columns of `slots_sql` the writer reads."""
@@ -289,7 +279,7 @@ class _RunWriter:
                 run.written.params = run.params
                 written.append(run.written)
         if written:
-            done += commit_written_runs(self.conn, written, kinds=self.missing)
+            done += commit_written_runs(self.conn, written, kinds=self.look_up_kinds())
             self.missing = []
         for prepared in runs:
             if prepared.written is None:
@@ -303,7 +293,7 @@ class _RunWriter:
             summary = write_lines_run(self.conn, run_id=run_id, kind="sweep",
                                       started_at=started_at, params=params,
                                       lines=prepared.rows, events=prepared.events.num_rows,
-                                      kinds=self.missing)
+                                      kinds=self.look_up_kinds())
             self.missing = []
         else:
             name = f"_sweep_events_{run_id.rsplit('-', 1)[-1]}"
