@@ -8,13 +8,13 @@ from litestar import Litestar, Request, Response, get, head
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import SwaggerRenderPlugin
 
-from api.config import Settings
 from api.direct import DirectRoutes
 from api.envelope import Reply, TraceIdMiddleware, handle_exception, ok
 from api.events.controller import EventsController, record_event, record_event_batch
 from api.gate import controller as gate
 from api.gate.controller import GateController
 from api.runtime import Runtime
+from core.settings import Settings
 
 __all__ = ["create_app"]
 

@@ -19,13 +19,14 @@ from typing import Any
 import msgspec
 
 from api.auth import AuthContext, Authenticator
-from api.config import Settings
 from api.errors import AppError, BadRequest, Unprocessable
 from api.gate.limits import RateLimiter
+from core.settings import Settings
 from pipelines.catalog import Catalog, CatalogInvalid, Realm, load_catalog
 from warehouse.catalog_store import CatalogStore
 from warehouse.keys import ServiceKeyStore
 from warehouse.writer import RemoteFailure, WriterClient
+from writer.ops import RESULT_TYPES
 
 __all__ = ["Runtime"]
 
@@ -49,13 +50,11 @@ class Runtime:
 
     # ---- life cycle -------------------------------------------------------------------
     async def start(self) -> None:
-        from api.writer_host import RESULT_TYPES
-
         self.refresh()
         ours, theirs = socket.socketpair()
         self.settings.data_dir.mkdir(parents=True, exist_ok=True)
         self._writer_proc = subprocess.Popen(
-            [sys.executable, "-m", "api.writer_host", "--fd", str(theirs.fileno()),
+            [sys.executable, "-m", "writer.host", "--fd", str(theirs.fileno()),
              "--data-dir", str(self.settings.data_dir)],
             pass_fds=[theirs.fileno()],
         )
@@ -65,9 +64,6 @@ class Runtime:
         self.writer = WriterClient(ours, RESULT_TYPES)
         await self.writer.start()
         self._tasks.append(asyncio.create_task(self._poll_files()))
-        from api.flow_scheduler import FlowScheduler
-
-        self._scheduler = FlowScheduler.start(self.settings)
         # What is loaded by now lives as long as the process: out of the collector's full
         # scans, which otherwise walk every module and catalog object now and then.
         gc.collect()
@@ -76,8 +72,6 @@ class Runtime:
 
     async def stop(self) -> None:
         self.ready = False
-        if hasattr(self, "_scheduler"):
-            await asyncio.to_thread(self._scheduler.stop)
         for task in self._tasks:
             task.cancel()
         if hasattr(self, "writer"):

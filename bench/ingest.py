@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import msgspec  # noqa: E402
 
 from api.auth import sign_headers  # noqa: E402
-from api.events.ingest import to_record  # noqa: E402
+from api.events.views import to_record  # noqa: E402
 from bench.loopback import Connection, percentile, run, start_server  # noqa: E402
 from pipelines.events import ValidEvent, decode_event, validate_event  # noqa: E402
 from warehouse.operational import open_operational  # noqa: E402

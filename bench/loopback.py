@@ -42,8 +42,8 @@ class Server:
 
 def start_server(catalog: Path | None = None) -> Server:
     data_dir = Path(tempfile.mkdtemp(prefix="tollgate-bench-"))
-    cli = [sys.executable, "-m", "api.cli"]
-    subprocess.run([*cli, "catalog", "apply", str(catalog or ROOT / "api" / "demo" / "catalog.toml"),
+    cli = [sys.executable, "-m", "cli"]
+    subprocess.run([*cli, "catalog", "apply", str(catalog or ROOT / "cli" / "demo" / "catalog.toml"),
                     "--data-dir", str(data_dir)], check=True, capture_output=True, cwd=ROOT)
     key = json.loads(subprocess.run([*cli, "keys", "create", "--realm", "acme", "--data-dir", str(data_dir)],
                                     check=True, capture_output=True, text=True, cwd=ROOT).stdout)

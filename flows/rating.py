@@ -12,6 +12,11 @@ from typing import Any
 import duckdb
 from prefect import flow, get_run_logger
 
+from batch.aggregate_days import close_aggregate_days as close_days
+from batch.rating_plan import RatingPlan
+from batch.rating_runs import RatingLock, RunSummary
+from batch.rerate import rerate as rerate_events
+from batch.sweep import CHUNK_EVENTS, sweep
 from flows.progress import RunProgress
 from flows.workspace import (
     applied_catalog,
@@ -22,12 +27,7 @@ from flows.workspace import (
     resolve_data_dir,
     scratch_dir,
 )
-from pipelines.aggregate_days import close_aggregate_days as close_days
 from pipelines.catalog import Catalog
-from pipelines.rating_plan import RatingPlan
-from pipelines.rating_runs import RatingLock, RunSummary
-from pipelines.rerate import rerate as rerate_events
-from pipelines.sweep import CHUNK_EVENTS, sweep
 from warehouse.lake import connect_lake, with_lake_retry
 
 __all__ = ["check_rerate_params", "close_aggregate_days", "rate_events", "rerate",

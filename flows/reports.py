@@ -16,8 +16,8 @@ import pyarrow.parquet as pq
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 
+from batch.usage_reports import REPORT_COLUMNS, build_usage_report
 from flows.workspace import close_lake, open_lake, resolve_data_dir
-from pipelines.usage_reports import REPORT_COLUMNS, build_usage_report
 from warehouse.lake import transaction, with_lake_retry
 
 __all__ = ["publish_usage_reports"]

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import duckdb
 
+from batch.rating_runs import RatingLock
 from flows.process_memory import release_process_memory, settle_process_memory
 from pipelines.catalog import Catalog, load_catalog
-from pipelines.rating_runs import RatingLock
 from warehouse.catalog_history import latest_catalog_source
 from warehouse.catalog_store import CatalogStore
 from warehouse.lake import connect_lake

@@ -45,7 +45,7 @@ def free_port() -> int:
 
 
 def tollgate(*args: str, data_dir: Path, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "api.cli", *args, "--data-dir", str(data_dir)],
+    return subprocess.run([sys.executable, "-m", "cli", *args, "--data-dir", str(data_dir)],
                           capture_output=True, text=True, check=check)
 
 
@@ -73,7 +73,7 @@ class Service:
         self.log_path = self.data_dir / "serve.log"
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "api.cli", "serve", "--port", str(self.port),
+            [sys.executable, "-m", "cli", "serve", "--port", str(self.port),
              "--data-dir", str(self.data_dir)],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )

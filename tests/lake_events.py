@@ -11,10 +11,10 @@ from typing import Any
 
 import msgspec
 
-from api.events.ingest import to_record
+from api.events.views import to_record
+from batch.rating_plan import RatingPlan
 from pipelines.catalog import load_catalog
 from pipelines.events import EventIn, ValidEvent, validate_event
-from pipelines.rating_plan import RatingPlan
 from warehouse.catalog_store import CatalogStore
 from warehouse.export import LakeExporter
 from warehouse.operational import open_operational

@@ -1,4 +1,4 @@
-"""The sweep's numpy carry (`pipelines.carry`) charges exactly what the SQL window
+"""The sweep's numpy carry (`batch.carry`) charges exactly what the SQL window
 (`rating_plan.amounts_sql`) charges, line for line: same running totals per account and
 price row, same order (occurred_at, then event_id, then line), same block rounding; and it
 refuses, rather than wraps, sums that might leave int64."""
@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batch.carry import CarryOutOfRange, PriceTerms, carry_amounts
+from batch.rating_plan import PlannedPrice, RatingPlan, amounts_sql
 from pipelines import carry
-from pipelines.carry import CarryOutOfRange, PriceTerms, carry_amounts
-from pipelines.rating_plan import PlannedPrice, RatingPlan, amounts_sql
 
 START = datetime(2026, 11, 1, tzinfo=timezone.utc)
 

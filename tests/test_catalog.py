@@ -11,7 +11,7 @@ import pytest
 from pipelines.catalog import CatalogInvalid, load_catalog
 from tests.conftest import FIXTURES, Service, tollgate
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "api" / "demo" / "catalog.toml"
+EXAMPLE = Path(__file__).resolve().parents[1] / "cli" / "demo" / "catalog.toml"
 
 
 def test_the_example_catalog_loads_with_every_section() -> None:

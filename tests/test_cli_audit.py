@@ -26,7 +26,7 @@ EVENT = {"semantic_kind": "activity", "event_type": "llm.completion",
 
 def cli(*args: str, env: dict[str, str] | None = None, prefix: tuple[str, ...] = (),
         timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*prefix, sys.executable, "-m", "api.cli", *args], capture_output=True,
+    return subprocess.run([*prefix, sys.executable, "-m", "cli", *args], capture_output=True,
                           text=True, env=env or ENV, timeout=timeout)
 
 
@@ -39,7 +39,7 @@ def one_clear_line(r: subprocess.CompletedProcess[str]) -> str:
 
 
 def serve(data_dir: Path, port: int, out: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "api.cli", "serve", "--port", str(port),
+    return subprocess.Popen([sys.executable, "-m", "cli", "serve", "--port", str(port),
                              "--data-dir", str(data_dir)], stdout=open(out, "wb"),
                             stderr=open(out.with_suffix(".err"), "wb"), env=ENV)
 
@@ -165,7 +165,7 @@ def test_two_catalog_applies_at_once_cannot_both_pass_the_grant_check(tmp_path: 
     changed = tmp_path / "changed.toml"
     changed.write_text((FIXTURES / "catalog.toml").read_text()
                        .replace('amount_xusd = "5000000"', 'amount_xusd = "9000000"'))
-    procs = [subprocess.Popen([sys.executable, "-m", "api.cli", "catalog", "apply", str(f),
+    procs = [subprocess.Popen([sys.executable, "-m", "cli", "catalog", "apply", str(f),
                                "--data-dir", str(tmp_path / "d")], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, env=ENV)
              for f in (FIXTURES / "catalog.toml", changed)]

@@ -66,7 +66,7 @@ def test_a_dead_writer_gives_503_in_the_envelope_and_a_restart_keeps_what_was_ac
     first = {"semantic_kind": "activity", "event_type": "writer.death", "occurred_at": "2026-11-20T10:00:00Z",
              "subject_ref": str(uuid.uuid4())}
     assert svc.post("/mgt/v1/events", first, account="acct_events").status_code == 201
-    [writer] = processes_of(svc.data_dir, "api.writer_host")
+    [writer] = processes_of(svc.data_dir, "writer.host")
     os.kill(writer, signal.SIGKILL)   # its journal holds the event, maybe not the file
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and svc.client.get(svc.base_url + "/healthz").status_code == 200:
@@ -99,7 +99,7 @@ def test_ctrl_c_to_the_process_group_stops_cleanly_with_everything_in_the_file(f
 
     svc = fresh_service
     log = open(svc.data_dir / "serve.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "serve", "--port", str(svc.port),
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--port", str(svc.port),
                              "--data-dir", str(svc.data_dir)], stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True, env={**os.environ, "TOLLGATE_SCHEDULES": "off"})
     try:

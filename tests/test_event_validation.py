@@ -98,7 +98,7 @@ LABELS = {
 def test_label_values_are_typed_into_exactly_one_slot(tmp_path) -> None:
     import uuid
 
-    from api.events.ingest import to_record
+    from api.events.views import to_record
     from warehouse.operational import open_operational
     from warehouse.outbox import EventOutbox
     from warehouse.writer import Transaction
@@ -125,10 +125,12 @@ def test_label_values_are_typed_into_exactly_one_slot(tmp_path) -> None:
 
 
 def test_a_single_event_is_handed_to_the_inline_rater_only_once_its_group_is_durable(tmp_path) -> None:
-    from api.events.ingest import IngestHandler, IngestOp, to_record
+    from api.events.views import to_record
     from warehouse.operational import open_operational
     from warehouse.outbox import EventOutbox
     from warehouse.writer import Transaction
+    from writer.events.ingest import IngestHandler
+    from writer.ops import IngestOp
 
     ok = check(GOOD)
     assert isinstance(ok, ValidEvent)

@@ -12,12 +12,12 @@ import duckdb
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from api.gate.book import GateBook
-from api.gate.ops import AuthorizeOp, CommitOp, MeterLine
 from pipelines.catalog import load_catalog
 from tests.conftest import FIXTURES, Service
 from warehouse.operational import open_operational
 from warehouse.writer import Transaction
+from writer.gate.book import GateBook
+from writer.ops import AuthorizeOp, CommitOp, MeterLine
 
 
 def _authorize(svc: Service, principal: str, estimate: str = "10", key: str | None = None):
@@ -279,7 +279,7 @@ def test_a_price_row_whose_terms_change_starts_its_carry_afresh() -> None:
 
 
 def test_cancelling_a_lease_past_its_time_reports_it_expired_before_the_sweep_does() -> None:
-    from api.gate.ops import CancelOp
+    from writer.ops import CancelOp
 
     catalog = load_catalog((FIXTURES / "catalog.toml").read_text())
     conn = open_operational_memory()

@@ -21,7 +21,7 @@ import msgspec
 import pytest
 
 from api.auth import sign_headers
-from api.events.ingest import to_record
+from api.events.views import to_record
 from pipelines.events import EventIn, ValidEvent, validate_event
 from tests.conftest import Service
 from warehouse.export import ExportMismatch, LakeExporter, run_exporter_thread

@@ -308,7 +308,7 @@ def test_module_doctests_run() -> None:
 
 def test_inline_rating_writes_years_before_1000_with_four_digits() -> None:
     # glibc's strftime("%Y") gives "1-01-01" for year 1, which no RFC 3339 parser accepts.
-    from api.events.inline_rating import _rfc3339
+    from writer.events.inline_rating import _rfc3339
 
     text = _rfc3339(datetime(1, 1, 1, tzinfo=timezone.utc))
     assert text == "0001-01-01T00:00:00.000000Z"

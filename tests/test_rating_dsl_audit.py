@@ -15,6 +15,7 @@ import duckdb
 import pyarrow as pa
 import pytest
 
+from batch.rating_plan import PlannedVersion, RatingPlan, described_sql
 from pipelines.rating import (
     DslError,
     EventFacts,
@@ -23,7 +24,6 @@ from pipelines.rating import (
     parse_policy,
     validate_policy,
 )
-from pipelines.rating_plan import PlannedVersion, RatingPlan, described_sql
 from tests.test_rating_dsl import aggregate_both, document, event, matches, quantity, rate_both
 
 INT64_MAX = 2**63 - 1

@@ -18,7 +18,7 @@ import pytest
 from prefect.artifacts import Artifact
 from prefect.testing.utilities import prefect_test_harness
 
-from api.cli import main as tollgate_main
+from cli.main import main as tollgate_main
 from flows.compaction import compact_lake
 from flows.rating import rate_events, rerate
 from flows.reports import _ARTIFACTS, publish_usage_reports

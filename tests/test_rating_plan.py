@@ -17,12 +17,12 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from batch.carry import CarryOutOfRange, PriceTerms
+from batch.rating_plan import PlannedPrice, RatingPlan, amounts_sql, described_sql, priced_sql
+from batch.sweep import slot_lines
 from pipelines.catalog import load_catalog
 from pipelines.pricing import PriceRow, price_line
 from pipelines.rating import EventFacts, evaluate, parse_policy
-from pipelines.carry import CarryOutOfRange, PriceTerms
-from pipelines.rating_plan import PlannedPrice, RatingPlan, amounts_sql, described_sql, priced_sql
-from pipelines.sweep import slot_lines
 from tests.lake_events import catalog_toml, policy, price, single
 
 V1_AT = "2026-01-01T00:00:00Z"

@@ -13,11 +13,11 @@ from typing import Any
 import duckdb
 import pytest
 
-from pipelines.aggregate_days import close_aggregate_days
-from pipelines.rating_plan import RatingPlan
-from pipelines.rating_runs import RatingLock, current_ratings_sql
-from pipelines.rerate import rerate
-from pipelines.sweep import sweep
+from batch.aggregate_days import close_aggregate_days
+from batch.rating_plan import RatingPlan
+from batch.rating_runs import RatingLock, current_ratings_sql
+from batch.rerate import rerate
+from batch.sweep import sweep
 from tests.lake_events import (
     LakeFeed,
     aggregate,
@@ -310,7 +310,7 @@ def test_a_run_that_dies_mid_way_leaves_nothing_and_the_next_sweep_resumes(
         lake: Any, monkeypatch: Any, commits: str) -> None:
     # A sweep commits the runs it has ready together (one transaction: all or none), at
     # least every COMMIT_SECONDS; with 0, each run in its own.
-    import pipelines.sweep as sweep_module
+    import batch.sweep as sweep_module
 
     if commits == "one run each":
         monkeypatch.setattr(sweep_module, "COMMIT_SECONDS", 0.0)
@@ -432,7 +432,7 @@ def test_a_day_deferred_under_a_policy_the_catalog_dropped_waits_and_is_named(
 def test_a_sweep_writes_narrow_lines_that_read_like_every_other_rating(lake: Any, monkeypatch: Any,
                                                                      kinds: str) -> None:
     # 700 + 700 input tokens at 150 per 1000 (floor) in occurred_at order: 0 then 150.
-    import pipelines.sweep as sweep_module
+    import batch.sweep as sweep_module
 
     if kinds == "distinct pairs":  # as for a catalog of many realms
         monkeypatch.setattr(sweep_module, "_DENSE_KINDS", 0)
@@ -486,14 +486,14 @@ def test_a_sweep_of_many_chunks_carries_each_account_whole(lake: Any, monkeypatc
     # Rated events wait between the scan and their runs in memory; past the memory budget
     # they are rated in passes over ranges of accounts that fit, and an account too big
     # for memory waits in Parquet files. Each account's lines land in one run every way.
-    import pipelines.sweep as sweep_module
+    import batch.sweep as sweep_module
 
     data_dir, feed, conn = lake
     plan = apply_catalog(data_dir, catalog_toml(
         policies=policy("llm", ("v1", "2026-01-01T00:00:00Z", LLM_V1)), prices=PRICES))
     stages: list[str] = []
     for name in ("_memory_stage", "_parquet_stage"):
-        def counted(*args: Any, name: str = name, real: Any = getattr(sweep_module, name)) -> Any:
+        def counted(*args: Any, name: str = name, real: Any = getattr(sweep_module, name)) -> Any:  # noqa: B008 (binds this name's function)
             stages.append(name)
             return real(*args)
         monkeypatch.setattr(sweep_module, name, counted)

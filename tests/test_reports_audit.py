@@ -404,7 +404,7 @@ def test_a_query_with_no_statement_fails_in_one_line(lake_dir: Path, query: str)
 
 
 def test_a_comment_in_a_script_is_not_a_failure(lake_dir: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "api.cli", "sql", "--format", "csv", "--data-dir", str(lake_dir)],
+    result = subprocess.run([sys.executable, "-m", "cli", "sql", "--format", "csv", "--data-dir", str(lake_dir)],
                             input="SELECT 1 AS one;\n-- a note;\nSELECT 2 AS two;\n-- the end\n",
                             capture_output=True, text=True, check=False,
                             env={**os.environ, "PATH": str(Path(sys.executable).parent)})  # no duckdb shell

@@ -174,7 +174,7 @@ def test_tollgate_schedules_values(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 
 def flows_run(data_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "api.cli", "flows", "run", *args,
+    return subprocess.run([sys.executable, "-m", "cli", "flows", "run", *args,
                            "--data-dir", str(data_dir)], capture_output=True, text=True,
                           timeout=180)
 
@@ -201,7 +201,7 @@ def test_a_hand_sweep_waiting_for_another_says_so_and_rates_once(tmp_path: Path)
     fcntl.flock(fd, fcntl.LOCK_EX)  # another sweep at work
     err = tmp_path / "err"
     with open(err, "w") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "api.cli", "flows", "run", "rate-events",
+        proc = subprocess.Popen([sys.executable, "-m", "cli", "flows", "run", "rate-events",
                                  "--data-dir", str(svc.data_dir)], stdout=subprocess.PIPE,
                                 stderr=sink, text=True)
     try:

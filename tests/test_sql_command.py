@@ -18,15 +18,14 @@ import duckdb
 import msgspec
 import pytest
 
-from api.events.ingest import to_record
-from api.events.inline_rating import InlineRater, write_inline_ratings
-from pipelines.aggregate_days import close_aggregate_days
+from api.events.views import to_record
+from batch.aggregate_days import close_aggregate_days
+from batch.rating_plan import RatingPlan
+from batch.rating_runs import RatingLock, current_ratings_sql
+from batch.rerate import rerate
+from batch.usage_reports import build_usage_report
 from pipelines.catalog import Catalog, load_catalog
 from pipelines.events import EventIn, ValidEvent, validate_event
-from pipelines.rating_plan import RatingPlan
-from pipelines.rating_runs import RatingLock, current_ratings_sql
-from pipelines.rerate import rerate
-from pipelines.usage_reports import build_usage_report
 from tests.conftest import tollgate
 from warehouse.catalog_history import record_catalog
 from warehouse.export import LakeExporter
@@ -34,6 +33,7 @@ from warehouse.lake import connect_lake
 from warehouse.operational import open_operational
 from warehouse.outbox import EventOutbox
 from warehouse.writer import Transaction
+from writer.events.inline_rating import InlineRater, write_inline_ratings
 
 ROOT = Path(__file__).resolve().parent.parent
 RECEIVED = datetime(2026, 11, 22, 12, 0, tzinfo=timezone.utc)  # created_at of every event
@@ -296,7 +296,7 @@ def raw_sql(data_dir: Path, *args: str, stdin: str = "", code: int = 0) -> tuple
     on PATH so that the built-in loop answers when no query is given; `code` the exit code
     expected."""
     env = {**os.environ, "PATH": str(Path(sys.executable).parent)}
-    result = subprocess.run([sys.executable, "-m", "api.cli", "sql", *args, "--data-dir", str(data_dir)],
+    result = subprocess.run([sys.executable, "-m", "cli", "sql", *args, "--data-dir", str(data_dir)],
                             input=stdin.encode(), capture_output=True, env=env, check=False)
     assert result.returncode == code, result.stderr
     return result.stdout.decode(), result.stderr.decode()
@@ -516,7 +516,7 @@ printf '%s\\n' "$@" > {tmp_path / "args"}
 """)
     shell.chmod(0o755)
     env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{Path(sys.executable).parent}"}
-    subprocess.run([sys.executable, "-m", "api.cli", "sql", "--data-dir", str(lake_dir)],
+    subprocess.run([sys.executable, "-m", "cli", "sql", "--data-dir", str(lake_dir)],
                    env=env, check=True, capture_output=True)
     flag, init = (tmp_path / "args").read_text().splitlines()[:2]
     assert flag == "-cmd"

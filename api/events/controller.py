@@ -12,14 +12,15 @@ from typing import Any
 import msgspec
 from litestar import Controller, Request, post
 
-from api.clock import utcnow
 from api.envelope import Reply, ok
 from api.errors import AppError, BadRequest, Unprocessable
-from api.events.ingest import IngestOp, event_view, item_view, to_record
+from api.events.views import event_view, item_view, to_record
 from api.requests import authenticate, read_body
 from api.runtime import Runtime
+from core.clock import utcnow
 from pipelines.catalog import Realm
 from pipelines.events import FieldError, ValidEvent, decode_event, validate_event
+from writer.ops import IngestOp
 
 __all__ = ["EventsController", "record_event", "record_event_batch"]
 

@@ -15,10 +15,13 @@ import msgspec
 from litestar import Controller, Request, post
 
 from api.auth import AuthContext
-from api.clock import utcnow
 from api.envelope import Reply, error_body, ok, trace_id_of
 from api.errors import BadRequest, Conflict, Forbidden, Unprocessable
-from api.gate.ops import (
+from api.requests import authenticate, read_body
+from api.runtime import Runtime
+from core.clock import utcnow
+from pipelines.catalog import CODE_PATTERN, Realm
+from writer.ops import (
     AuthorizeOp,
     CancelOp,
     CommitOp,
@@ -27,9 +30,6 @@ from api.gate.ops import (
     MeterLine,
     RecordOutcomeOp,
 )
-from api.requests import authenticate, read_body
-from api.runtime import Runtime
-from pipelines.catalog import CODE_PATTERN, Realm
 
 __all__ = ["GateController", "authorize", "cancel", "commit"]
 

@@ -1,4 +1,4 @@
-"""The writer process: `python -m api.writer_host --fd N --data-dir D`.
+"""The writer process: `python -m writer.host --fd N --data-dir D`.
 
 Started by the service with one end of a socket pair. It opens the operational file (the
 only process that does), applies what its journal holds beyond it, rebuilds in-memory state
@@ -23,10 +23,7 @@ from typing import Any
 
 import msgspec
 
-from api.clock import utcnow
-from api.events.ingest import IngestHandler, IngestOp
-from api.gate.book import GateBook
-from api.gate.ops import AuthorizeOp, CancelOp, CommitOp, RecordOutcomeOp
+from core.clock import utcnow
 from pipelines.catalog import Catalog, CatalogInvalid, load_catalog
 from warehouse.catalog_store import CatalogStore
 from warehouse.export import run_exporter_thread
@@ -34,11 +31,12 @@ from warehouse.journal import JournaledStore
 from warehouse.operational import open_operational, schema_version
 from warehouse.outbox import EventOutbox
 from warehouse.writer import run_writer
+from writer.events.ingest import IngestHandler
+from writer.gate.book import GateBook
+from writer.ops import OPS, AuthorizeOp, CancelOp, CommitOp, IngestOp, RecordOutcomeOp
 
-__all__ = ["OPS", "RESULT_TYPES", "CatalogView", "main"]
+__all__ = ["CatalogView", "main"]
 
-OPS = IngestOp | AuthorizeOp | CommitOp | CancelOp | RecordOutcomeOp
-RESULT_TYPES: dict[type, Any] = {op: op.result_type for op in OPS.__args__}  # type: ignore[attr-defined]
 
 log = logging.getLogger("tollgate.writer")
 RATE_STEP = 100  # single events rated inline per step between groups
@@ -125,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         outbox.reload(c)
         gate.rebuild(c)
 
-    from api.events.inline_rating import InlineRater
+    from writer.events.inline_rating import InlineRater
 
     inline_rater = InlineRater(catalog)
 

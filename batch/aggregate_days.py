@@ -30,8 +30,7 @@ from pathlib import Path
 
 import duckdb
 
-from pipelines.rating import compile_aggregate_sql
-from pipelines.rating_plan import (
+from batch.rating_plan import (
     RatingPlan,
     amounts_sql,
     described_sql,
@@ -39,7 +38,7 @@ from pipelines.rating_plan import (
     sql_instant,
     sql_text,
 )
-from pipelines.rating_runs import (
+from batch.rating_runs import (
     RatingLock,
     RunSummary,
     current_batch_sql,
@@ -48,7 +47,8 @@ from pipelines.rating_runs import (
     reversal_rows_sql,
     write_run,
 )
-from pipelines.sweep import CHUNK_EVENTS, sweep_locked
+from batch.sweep import CHUNK_EVENTS, sweep_locked
+from pipelines.rating import compile_aggregate_sql
 
 __all__ = ["close_aggregate_days"]
 

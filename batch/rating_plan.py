@@ -4,7 +4,7 @@
 `install(conn)` creates two small temp tables on a DuckDB connection (the line catalog and
 the prices of each line), and the SQL builders below then rate and price a relation of events
 in one vectorized query each, never a Python loop. The aggregate engine's days are rated by
-`pipelines.aggregate_days`, which prices its lines with the same builders.
+`batch.aggregate_days`, which prices its lines with the same builders.
 
 Lines. `lines_sql(source)` gives one or more rows per event of `source`:
 

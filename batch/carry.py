@@ -4,7 +4,7 @@ A run charges each priced line `A(cum_after) - A(cum_before)`, where `cum` is th
 quantity of its (account, price row) in `occurred_at` order (tie-break event_id, then line
 key), starting from 0 in the run, and `A(x) = unit_price * R(x / unit)` with the row's block
 rounding: exactly what `pipelines.pricing.price_line` charges line by line, and what
-`pipelines.rating_plan.amounts_sql` computes with a DuckDB window.
+`batch.rating_plan.amounts_sql` computes with a DuckDB window.
 
 The window sorts every line with all its columns, and cost the sweep as much as reading
 and rating the events. Here only what orders a line is sorted: one 64-bit key per line

@@ -10,7 +10,7 @@
    aggregate run holds a row for it; inline ratings do not count, they are provisional.
 3. Pending events are split into chunks of about `chunk_events` by a hash of the billing
    account. A query rates the pending events (`RatingPlan.slots_sql`: a row per event with
-   its priced lines); numpy carries the remainders and prices each line (`pipelines.carry`);
+   its priced lines); numpy carries the remainders and prices each line (`batch.carry`);
    the lines go to lake.rating_lines in Parquet files pyarrow writes. With one chunk that
    is all; with more, the rated events are staged in memory as Arrow with their account's
    bucket, whose counts make the chunks; two threads carry chunks and write their files
@@ -49,17 +49,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset  # noqa: F401 (DuckDB imports it to scan an Arrow table: once, here)
 
-from pipelines.carry import CarryOutOfRange, PriceTerms, carry_shares, contiguous, micros, uuid_words
-from pipelines.rating_plan import LINE_CATALOG, RatingPlan, amounts_sql, sql_instant
-from pipelines.rating_runs import (
+from batch.carry import CarryOutOfRange, PriceTerms, carry_shares, contiguous, micros, uuid_words
+from batch.rating_plan import LINE_CATALOG, RatingPlan, amounts_sql, sql_instant
+from batch.rating_runs import (
     RatingLock,
     RunSummary,
+    WrittenRun,
     batch_runs_sql,
+    commit_written_runs,
+    missing_kinds,
     new_run_id,
     rated_events_sql,
-    missing_kinds,
-    WrittenRun,
-    commit_written_runs,
     write_lines_files,
     write_lines_run,
     write_run,
@@ -186,7 +186,7 @@ _DENSE_KINDS = 1 << 16
 class _RunWriter:
     """Writes the rated events of a chunk (an Arrow table of `RatingPlan.slots_sql` columns:
     each event and its lines in slots) as one sweep run: the carry and amounts in numpy
-    (`pipelines.carry`), the rows to lake.rating_lines, one per line. A chunk whose sums
+    (`batch.carry`), the rows to lake.rating_lines, one per line. A chunk whose sums
     might leave int64 is priced by the SQL window in HUGEINT instead, into lake.rating_rows,
     exactly as before there was a fast path."""
 

@@ -39,7 +39,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipelines.rating_plan import LINE_CATALOG, insert_rows
+from batch.rating_plan import LINE_CATALOG, insert_rows
 from warehouse.lake import transaction, with_lake_retry
 
 __all__ = [

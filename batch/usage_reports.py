@@ -23,8 +23,8 @@ from datetime import datetime
 import duckdb
 import pyarrow as pa
 
-from pipelines.rating_plan import sql_instant
-from pipelines.rating_runs import current_ratings_sql
+from batch.rating_plan import sql_instant
+from batch.rating_runs import current_ratings_sql
 
 __all__ = ["REPORT_COLUMNS", "build_usage_report"]
 

@@ -20,7 +20,7 @@ import logging
 import sys
 from typing import Any
 
-from api.config import Settings
+from core.settings import Settings
 
 __all__ = ["cmd_flows", "parse_params", "register"]
 

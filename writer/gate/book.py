@@ -30,11 +30,11 @@ from typing import Any
 import duckdb
 import msgspec
 
-from api.gate.ops import AuthorizeOp, CancelOp, CommitOp, GateOutcome, IdemKey, RecordOutcomeOp
 from pipelines.catalog import Budget, Catalog, Feature, Quota, Realm
 from pipelines.events import format_instant
 from pipelines.pricing import PricedLine, PriceRow, price_line, quote
 from warehouse.writer import Transaction
+from writer.ops import AuthorizeOp, CancelOp, CommitOp, GateOutcome, IdemKey, RecordOutcomeOp
 
 __all__ = ["GateBook", "token_digest"]
 

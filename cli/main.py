@@ -21,8 +21,8 @@ import urllib.request
 from importlib import resources
 from pathlib import Path
 
-from api import sql_command
-from api.config import ConfigError, Settings, parse_port
+from cli import sql as sql_command
+from core.settings import ConfigError, Settings, parse_port
 from pipelines.catalog import ID_PATTERN, CatalogInvalid, load_catalog
 from warehouse.catalog_store import CatalogStore
 from warehouse.keys import KeyNotFound, ServiceKeyStore
@@ -35,7 +35,7 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def _demo_catalog() -> str:
-    return resources.files("api").joinpath("demo/catalog.toml").read_text(encoding="utf-8")
+    return resources.files("cli").joinpath("demo/catalog.toml").read_text(encoding="utf-8")
 
 
 def apply_catalog(settings: Settings, text: str) -> tuple[bool, str]:
@@ -134,7 +134,7 @@ def _cli_command() -> str:
     PATH, else its full path (the venv need not be active)."""
     script = Path(sys.executable).parent / "tollgate"
     if not script.exists():
-        return f"{shlex.quote(sys.executable)} -m api.cli"
+        return f"{shlex.quote(sys.executable)} -m cli"
     found = shutil.which("tollgate")
     if found and Path(found).resolve() == script.resolve():
         return "tollgate"
@@ -201,6 +201,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from api.app import create_app
+    from flows.launcher import FlowScheduler
 
     settings = _settings(args)
     try:
@@ -235,11 +236,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=settings.host, port=settings.port, loop="uvloop",
                             http=http_protocol(), lifespan="on", log_level="warning",
                             access_log=False, timeout_keep_alive=30, proxy_headers=False)
+    # The flows' schedules run in a process of their own beside the HTTP process and the
+    # writer; they read and write the lake only.
+    scheduler = FlowScheduler.start(settings)
     try:
         uvicorn.Server(config).run(sockets=[sock])
     except KeyboardInterrupt:
         # uvicorn re-raises Ctrl-C once it has shut down gracefully: nothing more to report.
         return 130
+    finally:
+        scheduler.stop()
     return 0
 
 
@@ -393,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     call.add_argument("--idempotency-key")
     call.set_defaults(func=cmd_call)
     sql_command.register(sub)
-    from api.flows_command import register as register_flows
+    from cli.flows import register as register_flows
     register_flows(sub)
     return parser
 

@@ -27,8 +27,8 @@ from datetime import datetime, timezone
 
 import duckdb
 
-from pipelines.rating_plan import LINE_CATALOG, RatingPlan, priced_sql, sql_instant, sql_text
-from pipelines.rating_runs import (
+from batch.rating_plan import LINE_CATALOG, RatingPlan, priced_sql, sql_instant, sql_text
+from batch.rating_runs import (
     RatingLock,
     RunSummary,
     current_batch_sql,
@@ -36,7 +36,7 @@ from pipelines.rating_runs import (
     reversal_rows_sql,
     write_run,
 )
-from pipelines.sweep import CHUNK_EVENTS, Progress, event_rows_sql, plan_chunks
+from batch.sweep import CHUNK_EVENTS, Progress, event_rows_sql, plan_chunks
 
 __all__ = ["rerate"]
 

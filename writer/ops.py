@@ -1,6 +1,8 @@
-"""The gate's write ops (sent from the service to the writer process) and their outcome.
+"""The ops the HTTP process sends to the writer process, and their outcomes: the protocol
+between the two (msgspec, array-like, tagged).
 
-An outcome is what the endpoint answers: a status with data and hints, or an error. The
+`IngestOp` stores events; the gate's ops authorize, commit and cancel leases. An outcome
+of a gate op is what the endpoint answers: a status with data and hints, or an error. The
 writer returns outcomes rather than raising, because an outcome may be stored under an
 Idempotency-Key and replayed later exactly.
 """
@@ -11,12 +13,17 @@ from typing import Any, ClassVar
 
 import msgspec
 
+from warehouse.outbox import EventRecord, Stored
+
 __all__ = [
+    "OPS",
+    "RESULT_TYPES",
     "AuthorizeOp",
     "CancelOp",
     "CommitOp",
     "GateOutcome",
     "IdemKey",
+    "IngestOp",
     "MeterLine",
     "RecordOutcomeOp",
 ]
@@ -48,8 +55,6 @@ class GateOutcome(msgspec.Struct, array_like=True):
         if 200 <= self.status < 300 or self.status in (402, 422):
             return True
         return self.status == 409 and self.code.startswith("LEASE.")
-
-
 
 
 class MeterLine(msgspec.Struct, array_like=True, frozen=True):
@@ -99,3 +104,17 @@ class RecordOutcomeOp(msgspec.Struct, tag="record_outcome", array_like=True, fro
     result_type: ClassVar[Any] = GateOutcome
     idem: IdemKey
     outcome: GateOutcome
+
+
+class IngestOp(msgspec.Struct, tag="ingest", array_like=True, frozen=True):
+    """Store these events of one realm; the outcome is one `Stored` per event, in order."""
+
+    result_type: ClassVar[Any] = list[Stored]
+    realm: str
+    path: str  # single | batch
+    events: list[EventRecord]
+
+
+OPS = IngestOp | AuthorizeOp | CommitOp | CancelOp | RecordOutcomeOp
+# What each op's outcome decodes as, on the HTTP process's side of the socket.
+RESULT_TYPES: dict[type, Any] = {op: op.result_type for op in OPS.__args__}  # type: ignore[attr-defined]

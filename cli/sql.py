@@ -31,7 +31,7 @@ from typing import IO, Any
 
 import msgspec
 
-from api.config import Settings
+from core.settings import Settings
 
 __all__ = ["cmd_sql", "register", "write_result"]
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 
-from api.config import Settings
+from core.settings import Settings
 from flows.process_memory import environment
 
 __all__ = ["FlowScheduler"]

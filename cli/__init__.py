@@ -1,0 +1,1 @@
+"""The `tollgate` command line: serve, keys, catalog, call, sql, flows."""
