@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batch import carry
 from batch.carry import CarryOutOfRange, PriceTerms, carry_amounts
 from batch.rating_plan import PlannedPrice, RatingPlan, amounts_sql
-from pipelines import carry
 
 START = datetime(2026, 11, 1, tzinfo=timezone.utc)
 
