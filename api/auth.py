@@ -21,11 +21,12 @@ import secrets
 import time
 from collections import deque
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime
 
 import msgspec
 
 from api.errors import BadRequest, Forbidden, Unauthorized
+from core.clock import SYSTEM_CLOCK, Clock
 from warehouse.keys import ServiceKey
 
 __all__ = ["AuthContext", "Authenticator", "content_digest", "sign_headers"]
@@ -79,7 +80,7 @@ def sign_headers(
                         ("x-user-id", user_id), ("idempotency-key", idempotency_key)):
         if value is not None:
             headers[name] = value
-    ts = ts or datetime.now(timezone.utc).isoformat()
+    ts = ts or SYSTEM_CLOCK.now().isoformat()
     nonce = nonce or secrets.token_hex(16)
     mac = hmac.digest(base64.b64decode(secret), _canonical(method, path, ts, nonce, headers), "sha256")
     sig = binascii.b2a_base64(mac, newline=False).decode()
@@ -108,8 +109,9 @@ class _NonceWindow:
 
 
 class Authenticator:
-    def __init__(self, skew_seconds: int) -> None:
+    def __init__(self, skew_seconds: int, clock: Clock = SYSTEM_CLOCK) -> None:
         self.skew = skew_seconds
+        self.clock = clock
         self.keys: dict[str, ServiceKey] = {}
         self._secrets: dict[str, bytes] = {}  # decoded secrets, by the key's base64 text
         # A nonce must be refused for as long as its ts could still pass the skew check.
@@ -147,7 +149,7 @@ class Authenticator:
             signed_at = None
         if signed_at is None or signed_at.tzinfo is None:
             raise Unauthorized("AUTH.STALE_SIGNATURE", "ts is not an ISO 8601 time with an offset")
-        if abs((datetime.now(timezone.utc) - signed_at).total_seconds()) > self.skew:
+        if abs((self.clock.now() - signed_at).total_seconds()) > self.skew:
             raise Unauthorized("AUTH.STALE_SIGNATURE",
                                f"ts is more than {self.skew} s away from the server clock")
         if not self._nonces.first_use(key_id, nonce):

@@ -7,7 +7,7 @@ the HTTP process's time per gate call (measured with py-spy under `bench/gate.py
 
 `DirectRoutes` sits in front of the Litestar app. A POST whose path is exactly one of
 `DIRECT_ROUTES` goes straight to its handler, with the same trace id rule as
-`TraceIdMiddleware`, the same error mapping as `api.envelope.handle_exception` and the same
+`TraceIdMiddleware`, the same error mapping (`api.envelope.error_reply`) and the same
 `X-Request-Id` on the response. Every other request (other methods, other paths, trailing
 slashes, lifespan) goes to Litestar unchanged, and Litestar still declares these routes, so
 the OpenAPI document lists them and a server that bypasses this wrapper gives the same answers.
@@ -19,17 +19,14 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import msgspec
 from litestar import Litestar
 from litestar.types import ASGIApp, Receive, Scope, Send
 
-from api.envelope import Reply, error_body, request_trace_id
-from api.errors import AppError
+from api.envelope import Reply, error_reply, request_trace_id
 
 __all__ = ["DirectRequest", "DirectRoutes", "Handler"]
 
 log = logging.getLogger("tollgate.api")
-_encode = msgspec.json.encode
 
 
 class DirectRequest:
@@ -68,17 +65,9 @@ class DirectRoutes:
         state["trace_id"] = trace
         try:
             reply = await handler(DirectRequest(self.litestar, scope, receive))
-            status, body, headers = reply.status_code, reply.body, reply.encode_headers()
-        except AppError as exc:
-            status = exc.status
-            body = _encode(error_body(trace, exc.status, exc.code, exc.message, exc.errors, exc.hints))
-            headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-            headers.extend((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items())
-        except Exception:
-            log.exception("unhandled error (trace_id=%s)", trace)
-            status = 500
-            body = _encode(error_body(trace, 500, "INTERNAL.ERROR", "internal error"))
-            headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        except Exception as exc:
+            reply = error_reply(trace, exc)
+        status, body, headers = reply.status_code, reply.body, reply.encode_headers()
         headers = [*headers, (b"x-request-id", trace.encode())]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})

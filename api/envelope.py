@@ -14,14 +14,14 @@ import re
 from typing import Any
 
 import msgspec
-from litestar import Request, Response
+from litestar import Request
 from litestar.exceptions import HTTPException
 from litestar.response.base import ASGIResponse
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import AppError
 
-__all__ = ["CLIENT_TRACE_ID", "Reply", "TraceIdMiddleware", "error_response", "handle_exception", "ok",
+__all__ = ["CLIENT_TRACE_ID", "Reply", "TraceIdMiddleware", "error_reply", "handle_exception", "ok",
            "request_trace_id", "trace_id_of"]
 
 log = logging.getLogger("tollgate.api")
@@ -62,6 +62,10 @@ class Reply(ASGIResponse):
     def encode_headers(self) -> list[tuple[bytes, bytes]]:
         return self._raw_headers
 
+    def to_asgi_response(self, *args: Any, **kwargs: Any) -> Reply:
+        """Already an ASGI response (Litestar's exception layer asks for one)."""
+        return self
+
 
 def ok(data: Any, *, status: int = 200, hints: list[dict[str, Any]] | None = None,
        headers: dict[str, str] | None = None) -> Reply:
@@ -71,7 +75,7 @@ def ok(data: Any, *, status: int = 200, hints: list[dict[str, Any]] | None = Non
     return Reply(_encode(body), status, headers)
 
 
-def error_body(trace_id: str, status: int, code: str, message: str,
+def _error_body(trace_id: str, status: int, code: str, message: str,
                errors: list[dict[str, Any]] | None = None,
                hints: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {
@@ -83,11 +87,6 @@ def error_body(trace_id: str, status: int, code: str, message: str,
         "errors": errors or [],
         "hints": hints or [],
     }
-
-
-def error_response(trace_id: str, exc: AppError) -> Response[bytes]:
-    body = error_body(trace_id, exc.status, exc.code, exc.message, exc.errors, exc.hints)
-    return Response(_encode(body), status_code=exc.status, media_type=JSON, headers=exc.headers)
 
 
 def trace_id_of(scope: Scope) -> str:
@@ -103,19 +102,34 @@ _HTTP_CODES = {
 }
 
 
-def handle_exception(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
-    trace_id = trace_id_of(request.scope)
-    if isinstance(exc, AppError):
-        return error_response(trace_id, exc)
-    if isinstance(exc, HTTPException) and exc.status_code < 500:
-        status = exc.status_code
+def error_reply(trace_id: str, error: BaseException) -> Reply:
+    """The one place where an error becomes a response, for every route (Litestar's, the
+    direct routes', the gate's decided outcomes via `AppError.of_status`, and the HTTP
+    parser's refusals):
+
+    - an `AppError`: its status, code, message, errors, hints and headers;
+    - Litestar's own refusals below 500 (no route, wrong method, body too large): their
+      status, with the code of `_HTTP_CODES`;
+    - anything else: 500 `INTERNAL.ERROR`, logged with its trace id, no detail sent.
+    """
+    if isinstance(error, AppError):
+        status, code, message, headers = error.status, error.code, error.message, error.headers
+        body = _error_body(trace_id, status, code, message, error.errors, error.hints)
+    elif isinstance(error, HTTPException) and error.status_code < 500:
+        status, headers = error.status_code, dict(error.headers or {})
         code = _HTTP_CODES.get(status, "REQUEST.INVALID")
-        message = "request body is larger than 16 MiB" if status == 413 else str(exc.detail)
-        return Response(_encode(error_body(trace_id, status, code, message)),
-                        status_code=status, media_type=JSON, headers=exc.headers)
-    log.exception("unhandled error (trace_id=%s)", trace_id)
-    return Response(_encode(error_body(trace_id, 500, "INTERNAL.ERROR", "internal error")),
-                    status_code=500, media_type=JSON)
+        message = "request body is larger than 16 MiB" if status == 413 else str(error.detail)
+        body = _error_body(trace_id, status, code, message)
+    else:
+        log.error("unhandled error (trace_id=%s)", trace_id, exc_info=error)
+        status, headers = 500, {}
+        body = _error_body(trace_id, 500, "INTERNAL.ERROR", "internal error")
+    return Reply(_encode(body), status, headers)
+
+
+def handle_exception(request: Request[Any, Any, Any], exc: Exception) -> Reply:
+    """Litestar's exception handler: `error_reply` with the request's trace id."""
+    return error_reply(trace_id_of(request.scope), exc)
 
 
 def request_trace_id(headers: list[tuple[bytes, bytes]]) -> str:

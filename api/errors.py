@@ -59,11 +59,23 @@ class AppError(Exception):
                 "errors": self.errors, "hints": self.hints, "headers": self.headers}
 
     @staticmethod
+    def of_status(status: int, code: str, message: str, *,
+                  errors: list[dict[str, Any]] | None = None,
+                  hints: list[dict[str, Any]] | None = None,
+                  headers: dict[str, str] | None = None) -> AppError:
+        """The error of this status (an outcome decided elsewhere, e.g. by the writer)."""
+        cls = _BY_STATUS.get(status)
+        error = (cls or AppError)(code, message, errors=errors, hints=hints, headers=headers)
+        if cls is None:
+            error.status = status  # a status with no class of its own keeps its number
+        return error
+
+    @staticmethod
     def from_wire(payload: dict[str, Any]) -> AppError:
-        cls = _BY_STATUS.get(int(payload.get("status", 500)), AppError)
-        return cls(str(payload.get("code", "INTERNAL.ERROR")), str(payload.get("message", "")),
-                   errors=payload.get("errors"), hints=payload.get("hints"),
-                   headers=payload.get("headers"))
+        return AppError.of_status(int(payload.get("status", 500)),
+                                  str(payload.get("code", "INTERNAL.ERROR")),
+                                  str(payload.get("message", "")), errors=payload.get("errors"),
+                                  hints=payload.get("hints"), headers=payload.get("headers"))
 
 
 class BadRequest(AppError):

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from api.envelope import error_body, new_trace_id
+from api.envelope import error_reply, new_trace_id
+from api.errors import BadRequest
 
 __all__ = ["OneWriteHttpToolsProtocol", "http_protocol"]
 
@@ -73,8 +73,7 @@ class OneWriteHttpToolsProtocol(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         trace = new_trace_id()
-        body = msgspec.json.encode(error_body(trace, 400, "REQUEST.INVALID",
-                                              "the request is not valid HTTP/1.1"))
+        body = error_reply(trace, BadRequest("REQUEST.INVALID", "the request is not valid HTTP/1.1")).body
         head = [b"HTTP/1.1 400 Bad Request\r\n"]
         for name, value in self.server_state.default_headers:
             head.extend([name, b": ", value, b"\r\n"])

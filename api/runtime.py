@@ -21,6 +21,7 @@ import msgspec
 from api.auth import AuthContext, Authenticator
 from api.errors import AppError, BadRequest, Unprocessable
 from api.gate.limits import RateLimiter
+from core.clock import SYSTEM_CLOCK, Clock
 from core.settings import Settings
 from pipelines.catalog import Catalog, CatalogInvalid, Realm, load_catalog
 from warehouse.catalog_store import CatalogStore
@@ -34,10 +35,11 @@ log = logging.getLogger("tollgate.runtime")
 
 
 class Runtime:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, clock: Clock = SYSTEM_CLOCK) -> None:
         self.settings = settings
+        self.clock = clock
         self.catalog = Catalog.empty()
-        self.auth = Authenticator(settings.signature_skew_seconds)
+        self.auth = Authenticator(settings.signature_skew_seconds, clock)
         self.key_store = ServiceKeyStore(settings.keys_path)
         self.catalog_store = CatalogStore(settings.catalog_dir)
         self._key_sig: Any = None

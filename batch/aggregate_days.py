@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 
 import duckdb
@@ -48,6 +48,8 @@ from batch.rating_runs import (
     write_run,
 )
 from batch.sweep import CHUNK_EVENTS, sweep_locked
+from core.clock import SYSTEM_CLOCK, Clock
+from core.constants import INT64_MAX
 from pipelines.rating import compile_aggregate_sql
 
 __all__ = ["close_aggregate_days"]
@@ -65,28 +67,30 @@ _VERSIONS = "_aggregate_versions"
 def close_aggregate_days(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, lock: RatingLock, *,
                          lateness: Mapping[str, int], now: datetime | None = None,
                          chunk_events: int = CHUNK_EVENTS,
-                         scratch: Path | None = None) -> list[RunSummary]:
+                         scratch: Path | None = None,
+                         clock: Clock = SYSTEM_CLOCK) -> list[RunSummary]:
     """Sweep, then rate the closed days that are new or changed. `lateness` maps each realm
     to its lateness allowance in seconds. Returns the runs written (sweep runs included)."""
-    moment = now or datetime.now(timezone.utc)
+    moment = now or clock.now()
     with lock:
-        runs = sweep_locked(conn, plan, chunk_events=chunk_events, scratch=scratch)
-        run = _rate_days(conn, plan, lateness, moment)
+        runs = sweep_locked(conn, plan, chunk_events=chunk_events, scratch=scratch, clock=clock)
+        run = _rate_days(conn, plan, lateness, moment, clock)
         return runs + ([run] if run is not None else [])
 
 
 def _rate_days(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, lateness: Mapping[str, int],
-               now: datetime) -> RunSummary | None:
+               now: datetime, clock: Clock) -> RunSummary | None:
     """`_rate_closed_days`, with its scratch tables dropped however it ends."""
     try:
-        return _rate_closed_days(conn, plan, lateness, now)
+        return _rate_closed_days(conn, plan, lateness, now, clock)
     finally:
         for table in (_EVENTS, _DAYS, _LINES, _PREVIOUS, _LATENESS, _VERSIONS):
             conn.execute(f"DROP TABLE IF EXISTS {table}")
 
 
 def _rate_closed_days(conn: duckdb.DuckDBPyConnection, plan: RatingPlan,
-                      lateness: Mapping[str, int], now: datetime) -> RunSummary | None:
+                      lateness: Mapping[str, int], now: datetime,
+                      clock: Clock) -> RunSummary | None:
     versions = [v for v in plan.versions if v.document.engine == "aggregate"]
     if not versions:
         return None
@@ -184,9 +188,9 @@ def _rate_closed_days(conn: duckdb.DuckDBPyConnection, plan: RatingPlan,
         f"CREATE OR REPLACE TEMP TABLE {_LINES} AS SELECT realm, billing_account_id,"
         f" {day_key} AS source_id, CAST(NULL AS UUID) AS event_id,"
         f" {day_start} AS occurred_at, line_key,"
-        f" CAST(least(sum(quantity_minor), {2 ** 63 - 1}) AS BIGINT) AS quantity_minor"
+        f" CAST(least(sum(quantity_minor), {INT64_MAX}) AS BIGINT) AS quantity_minor"
         f" FROM ({' UNION ALL '.join(lines)}) GROUP BY ALL")
-    started_at = datetime.now(timezone.utc)
+    started_at = clock.now()
     run_id = new_run_id("aggregate", started_at)
     rated_at = sql_instant(started_at)
     priced = f"({priced_sql(_LINES)})"
@@ -200,7 +204,7 @@ def _rate_closed_days(conn: duckdb.DuckDBPyConnection, plan: RatingPlan,
         run_id, rated_at,
         f"(SELECT p.* FROM {_PREVIOUS} AS p JOIN {_DAYS} AS d"
         " ON d.realm = p.realm AND d.source_id = p.source_id)")
-    summary = write_run(conn, run_id=run_id, kind="aggregate", started_at=started_at,
+    summary = write_run(conn, run_id=run_id, kind="aggregate", started_at=started_at, clock=clock,
                         params={"closed_before": now.isoformat(), "days": day_count},
                         rows_sql=f"{reversals} UNION ALL {new_rows}", events=day_count)
     return RunSummary(summary.run_id, summary.kind, summary.events, summary.lines,

@@ -40,6 +40,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batch.rating_plan import LINE_CATALOG, insert_rows
+from core.clock import SYSTEM_CLOCK, Clock
 from warehouse.lake import transaction, with_lake_retry
 
 __all__ = [
@@ -336,7 +337,8 @@ class WrittenRun:
 
 def commit_written_runs(conn: duckdb.DuckDBPyConnection, runs: Sequence[WrittenRun],
                         kinds: Sequence[tuple[object, ...]] = (),
-                        inserted: str | None = None) -> list[RunSummary]:
+                        inserted: str | None = None,
+                        clock: Clock = SYSTEM_CLOCK) -> list[RunSummary]:
     """Add the files of `runs` to lake.rating_lines and their completed lake.rating_runs rows
     (and `kinds`, PRICED_KIND_COLUMNS, the lake lacks) in ONE lake transaction: all of them
     or none (then their files are removed). Each commit costs ~0.1 CPU seconds in the
@@ -359,7 +361,7 @@ def commit_written_runs(conn: duckdb.DuckDBPyConnection, runs: Sequence[WrittenR
                         f"INSERT INTO lake.rating_lines SELECT '{run.run_id}', event_id, realm,"
                         " billing_account_id, occurred_at, line_id, quantity_minor, amount_xusd"
                         f" FROM {inserted}")
-                finished_at = datetime.now(timezone.utc)
+                finished_at = clock.now()
                 insert_rows(conn, "lake.rating_runs", [
                     (run.run_id, run.kind, "completed", run.started_at, finished_at,
                      json.dumps(dict(run.params), sort_keys=True), run.events, run.lines)
@@ -377,7 +379,8 @@ def commit_written_runs(conn: duckdb.DuckDBPyConnection, runs: Sequence[WrittenR
 
 
 def write_run(conn: duckdb.DuckDBPyConnection, *, run_id: str, kind: str, started_at: datetime,
-              params: Mapping[str, object], rows_sql: str, events: int | str | None) -> RunSummary:
+              params: Mapping[str, object], rows_sql: str, events: int | str | None,
+              clock: Clock = SYSTEM_CLOCK) -> RunSummary:
     """Append the rows of `rows_sql` (columns of STORED_COLUMNS, in order) to lake.rating_rows,
     the line kinds of the installed rating plan that the lake lacks, and the run's completed
     lake.rating_runs row, in one lake transaction. `events`: the number of events rated;
@@ -408,7 +411,7 @@ def write_run(conn: duckdb.DuckDBPyConnection, *, run_id: str, kind: str, starte
                 found = conn.execute("SELECT count(DISTINCT event_id) FROM lake.rating_rows"
                                      " WHERE run_id = ?", [run_id]).fetchone()
                 counted = int(found[0]) if found else 0
-            finished_at = datetime.now(timezone.utc)
+            finished_at = clock.now()
             conn.execute(
                 "INSERT INTO lake.rating_runs VALUES (?, ?, 'completed', ?, ?, ?, ?, ?)",
                 [run_id, kind, started_at, finished_at, json.dumps(dict(params), sort_keys=True),

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from datetime import datetime, timezone
+from datetime import datetime
 
 import duckdb
 
@@ -37,6 +37,7 @@ from batch.rating_runs import (
     write_run,
 )
 from batch.sweep import CHUNK_EVENTS, Progress, event_rows_sql, plan_chunks
+from core.clock import SYSTEM_CLOCK, Clock
 
 __all__ = ["rerate"]
 
@@ -48,7 +49,8 @@ _AFFECTED = "_rerate_affected"
 def rerate(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, lock: RatingLock, *,
            occurred_from: datetime, occurred_to: datetime,
            accounts: Sequence[str] | None = None, policy_ids: Sequence[str] | None = None,
-           chunk_events: int = CHUNK_EVENTS, progress: Progress | None = None) -> list[RunSummary]:
+           chunk_events: int = CHUNK_EVENTS, progress: Progress | None = None,
+           clock: Clock = SYSTEM_CLOCK) -> list[RunSummary]:
     """Re-rate the events in [occurred_from, occurred_to); one run per chunk of accounts."""
     if occurred_to <= occurred_from:
         raise ValueError("occurred_to must be after occurred_from")
@@ -74,7 +76,7 @@ def rerate(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, lock: RatingLock, 
         done = 0
         for chunk in chunks:
             began = time.monotonic()
-            started_at = datetime.now(timezone.utc)
+            started_at = clock.now()
             events = (f"(SELECT e.* FROM lake.events AS e WHERE {in_range('e')}"
                       f" AND {chunk.where('e')})")
             conn.execute(f"CREATE OR REPLACE TEMP TABLE {_NEW} AS"
@@ -101,7 +103,7 @@ def rerate(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, lock: RatingLock, 
                     run_id, sql_instant(started_at),
                     f"(SELECT * FROM {_CURRENT} WHERE event_id IN (SELECT event_id FROM {_AFFECTED}))")
                 rows = f"{reversals} UNION ALL {new_rows}"
-                summary = write_run(conn, run_id=run_id, kind="rerate", started_at=started_at,
+                summary = write_run(conn, run_id=run_id, kind="rerate", started_at=started_at, clock=clock,
                                     params=params, rows_sql=rows, events=affected_events)
                 runs.append(RunSummary(summary.run_id, summary.kind, summary.events,
                                        summary.lines, time.monotonic() - began))

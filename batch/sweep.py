@@ -40,7 +40,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import duckdb
@@ -64,6 +64,7 @@ from batch.rating_runs import (
     write_lines_run,
     write_run,
 )
+from core.clock import SYSTEM_CLOCK, Clock
 from warehouse.lake import table_folder, with_lake_retry
 
 __all__ = ["CHUNK_EVENTS", "Progress", "SlotLines", "event_rows_sql", "plan_chunks", "slot_lines", "sweep",
@@ -190,8 +191,10 @@ class _RunWriter:
     might leave int64 is priced by the SQL window in HUGEINT instead, into lake.rating_rows,
     exactly as before there was a fast path."""
 
-    def __init__(self, conn: duckdb.DuckDBPyConnection, plan: RatingPlan) -> None:
+    def __init__(self, conn: duckdb.DuckDBPyConnection, plan: RatingPlan,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         self.conn = conn
+        self.clock = clock
         self.slots = plan.slot_count()
         self.slot_columns = plan.slot_columns()
         self.slot_bytes = plan.slot_bytes()
@@ -239,7 +242,7 @@ class _RunWriter:
         """The run's rows: the carry and amounts of its lines, written to `files` Parquet
         files in the table's folder (no lake access: safe on threads of their own while
         another run commits; the lake has the files only once `commit` adds them)."""
-        started_at = datetime.now(timezone.utc)
+        started_at = self.clock.now()
         prepared = _Prepared(new_run_id("sweep", started_at), started_at, time.monotonic(),
                              events)
         try:
@@ -279,7 +282,8 @@ class _RunWriter:
                 run.written.params = run.params
                 written.append(run.written)
         if written:
-            done += commit_written_runs(self.conn, written, kinds=self.look_up_kinds())
+            done += commit_written_runs(self.conn, written, kinds=self.look_up_kinds(),
+                                        clock=self.clock)
             self.missing = []
         for prepared in runs:
             if prepared.written is None:
@@ -307,6 +311,7 @@ class _RunWriter:
                     f" {column(f'p{j}', 'INTEGER')} AS price_key FROM {name} WHERE k{j} IS NOT NULL"
                     for j in range(self.slots)) + ")"
                 summary = write_run(self.conn, run_id=run_id, kind="sweep", started_at=started_at,
+                                    clock=self.clock,
                                     params=params, events=prepared.events.num_rows,
                                     rows_sql=event_rows_sql(run_id, started_at, lines_sql))
             finally:
@@ -387,20 +392,21 @@ class _Prepared:
 
 def sweep(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, lock: RatingLock, *,
           chunk_events: int = CHUNK_EVENTS, scratch: Path | None = None,
-          progress: Progress | None = None) -> list[RunSummary]:
+          progress: Progress | None = None, clock: Clock = SYSTEM_CLOCK) -> list[RunSummary]:
     """Rate every pending event; one run per chunk. Returns the runs written."""
     with lock:
         return sweep_locked(conn, plan, chunk_events=chunk_events, scratch=scratch,
-                            progress=progress)
+                            progress=progress, clock=clock)
 
 
 def sweep_locked(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, *,
                  chunk_events: int = CHUNK_EVENTS, scratch: Path | None = None,
-                 progress: Progress | None = None) -> list[RunSummary]:
+                 progress: Progress | None = None,
+                 clock: Clock = SYSTEM_CLOCK) -> list[RunSummary]:
     """`sweep` for a caller that already holds the rating lock. `scratch` is a folder for
     the Parquet stage of a sweep too big for memory (a temporary folder when None)."""
     plan.install(conn)
-    read_at = datetime.now(timezone.utc)  # before the greatest export id is read
+    read_at = clock.now()  # before the greatest export id is read
     state = _state(conn)
     watermark, since = state.watermark, state.since
     through = max(watermark, state.greatest)
@@ -430,7 +436,7 @@ def sweep_locked(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, *,
                         f" WHERE e.export_id IS NULL AND {where}")
         return plan.slots_sql(f"({pending})")
 
-    writer = _RunWriter(conn, plan)
+    writer = _RunWriter(conn, plan, clock)
     # UUIDs reach Arrow as 16 bytes, not text (the carry orders ties by them).
     lossless = conn.execute("SELECT current_setting('arrow_lossless_conversion')").fetchone()
     conn.execute("SET arrow_lossless_conversion = true")

@@ -22,6 +22,7 @@ from importlib import resources
 from pathlib import Path
 
 from cli import sql as sql_command
+from core.layout import DataFolder
 from core.settings import ConfigError, Settings, parse_port
 from pipelines.catalog import ID_PATTERN, CatalogInvalid, load_catalog
 from warehouse.catalog_store import CatalogStore
@@ -175,7 +176,7 @@ def _lock_data_dir(data_dir: Path) -> int | None:
     """An exclusive lock on a file in the data folder, held for the life of this process (the
     file descriptor stays open); None when another `tollgate serve` holds it. Taken before
     anything is written, so two services started at once never both set the folder up."""
-    fd = os.open(data_dir / ".serve.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(DataFolder(data_dir).serve_lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

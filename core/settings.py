@@ -1,12 +1,33 @@
-"""The one configuration of the service and the CLI: flags, then environment, then defaults."""
+"""The one configuration of tollgate: flags, then environment, then defaults.
+
+Every process reads it: the service (`tollgate serve`), the writer process, the flows'
+scheduler and the flows themselves, and the CLI. A process started by another receives
+the data folder as a flag and reads the rest from the environment it inherits, so all of
+them see the same settings.
+
+| environment variable              | default      | what it sets                               |
+|-----------------------------------|--------------|--------------------------------------------|
+| TOLLGATE_DATA_DIR                 | ./var        | the data folder (`core.layout`)            |
+| TOLLGATE_HOST / TOLLGATE_PORT     | 127.0.0.1 / 8040 | where `serve` listens and `call` sends |
+| TOLLGATE_SIGNATURE_SKEW_SECONDS   | 300          | how far a signed timestamp may be off      |
+| TOLLGATE_SCHEDULES                | on           | whether `serve` runs the flows' schedules  |
+| TOLLGATE_SCHEDULE_SECONDS         | (none)       | intervals, e.g. `rate-events=30`           |
+| TOLLGATE_FLOW_MEMORY_LIMIT        | 1GB          | DuckDB's memory limit in a flow            |
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.layout import DataFolder
+
 __all__ = ["ConfigError", "Settings", "parse_port"]
+
+_OFF = ("off", "0", "false", "no")
+_ON = ("on", "1", "true", "yes", "")
 
 
 class ConfigError(ValueError):
@@ -14,7 +35,15 @@ class ConfigError(ValueError):
 
 
 def parse_port(text: str | int, name: str = "the port") -> int:
-    """A TCP port, 1-65535 (0 would bind a random port, larger ones wrap around)."""
+    """A TCP port, 1-65535 (0 would bind a random port, larger ones wrap around).
+
+    >>> parse_port("8040")
+    8040
+    >>> parse_port("0")
+    Traceback (most recent call last):
+    ...
+    core.settings.ConfigError: the port must be a port number from 1 to 65535, not '0'
+    """
     try:
         port = int(text)
     except ValueError:
@@ -24,8 +53,8 @@ def parse_port(text: str | int, name: str = "the port") -> int:
     return port
 
 
-def _positive_int(name: str, default: int) -> int:
-    text = os.environ.get(name) or str(default)
+def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
+    text = env.get(name) or str(default)
     try:
         value = int(text)
     except ValueError:
@@ -44,11 +73,16 @@ class Settings:
     reload_interval_seconds: float = 1.0
     max_body_bytes: int = 16 * 1024 * 1024
     max_batch_items: int = 1000
+    # TOLLGATE_SCHEDULES as given, stripped and lower-cased (see `schedules_on`).
+    schedules: str = "on"
+    # TOLLGATE_SCHEDULE_SECONDS as given (`NAME=SECONDS,...`; read by `core.schedules`).
+    schedule_seconds: str = ""
+    flow_memory_limit: str = "1GB"
 
     @staticmethod
-    def from_env(data_dir: str | None = None, host: str | None = None,
-                 port: int | None = None) -> Settings:
-        env = os.environ
+    def from_env(data_dir: str | os.PathLike[str] | None = None, host: str | None = None,
+                 port: int | None = None, env: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if env is None else env
         folder = Path(data_dir or env.get("TOLLGATE_DATA_DIR") or "var").resolve()
         if folder.exists() and not folder.is_dir():
             raise ConfigError(f"the data folder {folder} is not a folder")
@@ -57,21 +91,38 @@ class Settings:
             host=host or env.get("TOLLGATE_HOST") or "127.0.0.1",
             port=parse_port(port) if port is not None else
             parse_port(env.get("TOLLGATE_PORT") or 8040, "TOLLGATE_PORT"),
-            signature_skew_seconds=_positive_int("TOLLGATE_SIGNATURE_SKEW_SECONDS", 300),
+            signature_skew_seconds=_positive_int(env, "TOLLGATE_SIGNATURE_SKEW_SECONDS", 300),
+            schedules=env.get("TOLLGATE_SCHEDULES", "on").strip().lower(),
+            schedule_seconds=env.get("TOLLGATE_SCHEDULE_SECONDS", ""),
+            flow_memory_limit=env.get("TOLLGATE_FLOW_MEMORY_LIMIT") or "1GB",
         )
 
     @property
+    def folder(self) -> DataFolder:
+        return DataFolder(self.data_dir)
+
+    @property
+    def schedules_on(self) -> bool:
+        """Whether `serve` runs the schedules: off for off/0/false/no; on for anything else
+        (a value that is neither is run, and `schedules_value_known` says so)."""
+        return self.schedules not in _OFF
+
+    @property
+    def schedules_value_known(self) -> bool:
+        return self.schedules in _OFF or self.schedules in _ON
+
+    @property
     def operational_path(self) -> Path:
-        return self.data_dir / "operational.duckdb"
+        return self.folder.operational
 
     @property
     def keys_path(self) -> Path:
-        return self.data_dir / "keys.json"
+        return self.folder.keys
 
     @property
     def catalog_dir(self) -> Path:
-        return self.data_dir / "catalog"
+        return self.folder.catalog
 
     @property
     def lake_dir(self) -> Path:
-        return self.data_dir / "lake"
+        return self.folder.lake

@@ -25,8 +25,6 @@ __all__ = ["FlowScheduler"]
 
 log = logging.getLogger("tollgate.runtime")
 
-_OFF = ("off", "0", "false", "no")
-_ON = ("on", "1", "true", "yes", "")
 # A scheduler that died is started again after this long (seconds).
 _RESTART_PAUSE = 5.0
 
@@ -43,13 +41,12 @@ class FlowScheduler:
 
     @classmethod
     def start(cls, settings: Settings) -> FlowScheduler:
-        value = os.environ.get("TOLLGATE_SCHEDULES", "on").strip().lower()
-        if value in _OFF:
-            log.info("TOLLGATE_SCHEDULES=%s: the flow schedules are off", value)
+        if not settings.schedules_on:
+            log.info("TOLLGATE_SCHEDULES=%s: the flow schedules are off", settings.schedules)
             return cls(None)
-        if value not in _ON:
+        if not settings.schedules_value_known:
             log.error("TOLLGATE_SCHEDULES=%r is neither on nor off; running the schedules",
-                      os.environ["TOLLGATE_SCHEDULES"])
+                      settings.schedules)
         return cls(cls._spawn(settings), settings)
 
     @staticmethod

@@ -5,7 +5,7 @@ catalog, and calls the pipeline under the rating lock."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ from batch.rating_plan import RatingPlan
 from batch.rating_runs import RatingLock, RunSummary
 from batch.rerate import rerate as rerate_events
 from batch.sweep import CHUNK_EVENTS, sweep
+from core.clock import SYSTEM_CLOCK
 from flows.progress import RunProgress
 from flows.workspace import (
     applied_catalog,
@@ -182,7 +183,7 @@ def close_aggregate_days(data_dir: str | None = None, now: str | None = None) ->
     """Sweep, then rate the aggregate days closed (day end + the realm's lateness allowance)
     that are new or changed by late events."""
     folder = resolve_data_dir(data_dir)
-    moment = parse_instant(now) if now else datetime.now(timezone.utc)
+    moment = parse_instant(now) if now else SYSTEM_CLOCK.now()
     conn = open_lake(folder)
     try:
         catalog = applied_catalog(folder, conn)

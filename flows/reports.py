@@ -6,7 +6,6 @@ files under `<data_dir>/reports/`, and as two Prefect table artifacts, `usage-re
 from __future__ import annotations
 
 import os
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,8 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 
 from batch.usage_reports import REPORT_COLUMNS, build_usage_report
+from core.clock import SYSTEM_CLOCK
+from core.layout import DataFolder
 from flows.workspace import close_lake, open_lake, resolve_data_dir
 from warehouse.lake import transaction, with_lake_retry
 
@@ -34,7 +35,7 @@ _ARTIFACT_COLUMNS = ["period_start", "realm", "billing_account_id", "feature_cod
 def publish_usage_reports(data_dir: str | None = None) -> dict[str, Any]:
     """Publish the usage report of the current ratings; returns its run id and row counts."""
     folder = resolve_data_dir(data_dir)
-    published_at = datetime.now(timezone.utc)
+    published_at = SYSTEM_CLOCK.now()
     run_id = f"report-{published_at.strftime('%Y%m%dT%H%M%S%fZ')}"
     conn = open_lake(folder)
     try:
@@ -55,7 +56,7 @@ def publish_usage_reports(data_dir: str | None = None) -> dict[str, Any]:
         conn.unregister("report_rows")
     finally:
         close_lake(conn)
-    files = _write_parquet(folder / "reports", run_id, report)
+    files = _write_parquet(DataFolder(folder).reports, run_id, report)
     counts = {period: _publish_artifact(report, period, run_id) for period in ("day", "month")}
     get_run_logger().info("published %s: %d day rows, %d month rows", run_id, counts["day"],
                           counts["month"])

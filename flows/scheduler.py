@@ -1,9 +1,9 @@
 """The schedules of `tollgate serve`: `python -m flows.scheduler --data-dir D`.
 
-A child process of the service that runs each flow as a Prefect flow run on its interval:
-rate-events every minute, close-aggregate-days every 15 minutes, publish-usage-reports every
-hour, compact-lake every day. The first run of each comes one interval after start, so the
-service starts as fast as without it. Runs go to the Prefect API of PREFECT_API_URL when set,
+A child process of the service that runs each flow as a Prefect flow run on its schedule
+(`core.schedules`): rate-events every minute, close-aggregate-days every 15 minutes,
+publish-usage-reports every hour, compact-lake daily at 03:30 UTC. The first run of an
+interval comes one interval after start, so the service starts as fast as without it. Runs go to the Prefect API of PREFECT_API_URL when set,
 else to a temporary local one that Prefect starts on the first run.
 
 It dies with the service: on Linux the kernel sends it SIGTERM when its parent dies (and it
@@ -29,18 +29,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
+from core.clock import SYSTEM_CLOCK, Clock
+from core.schedules import SCHEDULED, Deployment, scheduled_with_overrides
+from core.settings import Settings
 from flows import flow_named
 
-__all__ = ["SCHEDULE", "main", "run_schedule", "schedule_from_env"]
+__all__ = ["main", "run_schedule"]
 
 log = logging.getLogger("tollgate.scheduler")
-
-SCHEDULE: tuple[tuple[str, float], ...] = (
-    ("rate-events", 60.0),
-    ("close-aggregate-days", 15 * 60.0),
-    ("publish-usage-reports", 60 * 60.0),
-    ("compact-lake", 24 * 60 * 60.0),
-)
 
 
 def _end_with_parent(parent_pid: int | None) -> None:
@@ -59,25 +55,6 @@ def _exit(signum: int, frame: FrameType | None) -> None:
     sys.exit(0)
 
 
-def schedule_from_env(text: str | None = None) -> tuple[tuple[str, float], ...]:
-    """SCHEDULE with the intervals of TOLLGATE_SCHEDULE_SECONDS (`NAME=SECONDS,...`); a
-    mistake is logged and that entry ignored."""
-    text = os.environ.get("TOLLGATE_SCHEDULE_SECONDS", "") if text is None else text
-    intervals = dict(SCHEDULE)
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, _, value = item.partition("=")
-        try:
-            seconds = float(value)
-        except ValueError:
-            seconds = float("nan")
-        if name.strip() not in intervals or not 0 < seconds < float("inf"):
-            log.error("TOLLGATE_SCHEDULE_SECONDS: %r ignored (expected NAME=SECONDS with NAME"
-                      " one of %s)", item, ", ".join(intervals))
-            continue
-        intervals[name.strip()] = seconds
-    return tuple(intervals.items())
-
-
 def _stopped(exc: BaseException) -> bool:
     """Whether a flow's failure is really this process being told to stop (Prefect raises
     TerminationSignal from its SIGTERM handler; code under way may wrap it in its own error)."""
@@ -93,11 +70,12 @@ def _stopped(exc: BaseException) -> bool:
     return False
 
 
-def run_schedule(data_dir: Path, schedule: Sequence[tuple[str, float]] = SCHEDULE) -> None:
-    """Run the flows on their intervals until the process is told to stop."""
+def run_schedule(data_dir: Path, schedule: Sequence[Deployment] = SCHEDULED,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
+    """Run the flows on their schedules until the process is told to stop."""
     start = time.monotonic()
-    due = {name: start + interval for name, interval in schedule}
-    intervals = dict(schedule)
+    due = {d.flow: start + d.seconds_to_next(clock.now()) for d in schedule}
+    by_name = {d.flow: d for d in schedule}
     while True:
         name = min(due, key=due.__getitem__)
         time.sleep(max(0.0, due[name] - time.monotonic()))
@@ -112,8 +90,12 @@ def run_schedule(data_dir: Path, schedule: Sequence[tuple[str, float]] = SCHEDUL
                 sys.exit(0)
             if not isinstance(exc, Exception):
                 raise
-            log.exception("flow %s failed; next try in %.0f s", name, intervals[name])
-        due[name] = max(due[name] + intervals[name], time.monotonic())
+            log.exception("flow %s failed; next try at its next time", name)
+        deployment = by_name[name]
+        if deployment.daily_at is None:
+            due[name] = max(due[name] + deployment.seconds_to_next(clock.now()), time.monotonic())
+        else:
+            due[name] = time.monotonic() + deployment.seconds_to_next(clock.now())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
     for chatty in ("httpx", "httpcore"):  # a line per request to Prefect's API, every minute
         logging.getLogger(chatty).setLevel(logging.WARNING)
-    run_schedule(Path(args.data_dir).resolve(), schedule_from_env())
+    settings = Settings.from_env(args.data_dir)
+    run_schedule(settings.data_dir, scheduled_with_overrides(settings.schedule_seconds))
     return 0
 
 

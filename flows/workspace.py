@@ -1,6 +1,7 @@
 """The data folder a flow works on: its lake, its applied catalog and its rating lock.
 
-Every flow takes `data_dir`; None means TOLLGATE_DATA_DIR, else `./var`, as for the service.
+Every flow takes `data_dir`; None means the data folder of the settings (`core.settings`),
+as for the service.
 Flows read and write the lake only, never the service's operational file.
 """
 
@@ -13,6 +14,8 @@ from pathlib import Path
 import duckdb
 
 from batch.rating_runs import RatingLock
+from core.layout import DataFolder
+from core.settings import Settings
 from flows.process_memory import release_process_memory, settle_process_memory
 from pipelines.catalog import Catalog, load_catalog
 from warehouse.catalog_history import latest_catalog_source
@@ -22,17 +25,14 @@ from warehouse.lake import connect_lake
 __all__ = ["applied_catalog", "close_lake", "open_lake", "parse_instant", "rating_lock",
            "resolve_data_dir", "scratch_dir"]
 
-# DuckDB spills to disk beyond this, so a flow's memory stays flat however big the lake.
-_MEMORY_LIMIT = os.environ.get("TOLLGATE_FLOW_MEMORY_LIMIT", "1GB")
-
-
 def resolve_data_dir(data_dir: str | os.PathLike[str] | None) -> Path:
-    return Path(data_dir or os.environ.get("TOLLGATE_DATA_DIR") or "var").resolve()
+    """The data folder of a flow's `data_dir` parameter, or of the settings."""
+    return Settings.from_env(data_dir).data_dir
 
 
 def scratch_dir(data_dir: Path) -> Path:
     """Where flows spill and keep work in progress: next to the lake, on the same disk."""
-    return data_dir / "lake" / "spill"
+    return DataFolder(data_dir).lake_spill
 
 
 def open_lake(data_dir: Path) -> duckdb.DuckDBPyConnection:
@@ -42,7 +42,8 @@ def open_lake(data_dir: Path) -> duckdb.DuckDBPyConnection:
     conn = connect_lake(data_dir)
     spill = scratch_dir(data_dir)
     spill.mkdir(parents=True, exist_ok=True)
-    conn.execute(f"SET memory_limit = '{_MEMORY_LIMIT}'")
+    # DuckDB spills to disk beyond this, so a flow's memory stays flat however big the lake.
+    conn.execute(f"SET memory_limit = '{Settings.from_env(data_dir).flow_memory_limit}'")
     conn.execute(f"SET temp_directory = '{spill}'")
     # Rows of a rating run need no order in their files; unordered writes run in parallel.
     conn.execute("SET preserve_insertion_order = false")
@@ -64,12 +65,12 @@ def applied_catalog(data_dir: Path, conn: duckdb.DuckDBPyConnection) -> Catalog:
     catalog before the first apply)."""
     text = latest_catalog_source(conn)
     if text is None:
-        text = CatalogStore(data_dir / "catalog").read()
+        text = CatalogStore(DataFolder(data_dir).catalog).read()
     return Catalog.empty() if text is None else load_catalog(text)
 
 
 def rating_lock(data_dir: Path, timeout: float | None = None) -> RatingLock:
-    return RatingLock(data_dir / "lake" / "rating.lock", timeout)
+    return RatingLock(DataFolder(data_dir).rating_lock, timeout)
 
 
 def parse_instant(text: str | datetime) -> datetime:

@@ -18,6 +18,8 @@ from typing import Any
 
 import msgspec
 
+from core.constants import INT64_MAX
+
 __all__ = [
     "Account",
     "Budget",
@@ -42,7 +44,6 @@ __all__ = [
 CODE_PATTERN = re.compile(r"[a-z0-9]([a-z0-9._/@:-]{0,126}[a-z0-9])?")
 _ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")
 ID_PATTERN = _ID_PATTERN  # realm, account, principal and grant ids
-_INT64_MAX = 2**63 - 1
 # Durations (lease TTLs, skews, rate-limit windows) are added to the clock: beyond this a
 # datetime or timedelta overflows at request time (a 500), so the catalog refuses them.
 _MAX_SECONDS = 10 * 366 * 86400
@@ -251,13 +252,13 @@ class _Reader:
             self.fault(where, "must be a string holding an integer, e.g. \"1500\"")
             return None
         number = int(value)
-        if number < minimum or number > _INT64_MAX:
-            self.fault(where, f"must be between {minimum} and {_INT64_MAX}")
+        if number < minimum or number > INT64_MAX:
+            self.fault(where, f"must be between {minimum} and {INT64_MAX}")
             return None
         return number
 
     def integer(self, node: dict[str, Any], key: str, path: str, *, default: int | None = None,
-                minimum: int = 0, maximum: int = _INT64_MAX) -> int | None:
+                minimum: int = 0, maximum: int = INT64_MAX) -> int | None:
         value = node.get(key, default)
         where = f"{path}.{key}"
         if value is None:

@@ -61,6 +61,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Final
 
+from core.constants import INT64_MAX
+
 __all__ = [
     "INT64_MAX",
     "ROUNDING_MODES",
@@ -71,7 +73,6 @@ __all__ = [
     "select_price",
 ]
 
-INT64_MAX: Final[int] = 2**63 - 1
 ROUNDING_MODES: Final[frozenset[str]] = frozenset({"floor", "nearest", "ceil"})
 
 # Strict RFC 3339 date-time (section 5.6): a full date, a time with seconds and

@@ -14,12 +14,13 @@ protocols below): storage does not import the domain.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
 import duckdb
 
+from core.clock import SYSTEM_CLOCK, Clock
 from warehouse.lake import connect_lake, transaction, with_lake_retry
 
 __all__ = ["CatalogRows", "catalog_rows", "record_catalog"]
@@ -110,11 +111,12 @@ def catalog_rows(catalog: _Catalog, applied_at: datetime) -> CatalogRows:
     return rows
 
 
-def record_catalog(data_dir: Path, catalog: _Catalog, *, applied_at: datetime | None = None) -> bool:
+def record_catalog(data_dir: Path, catalog: _Catalog, *, applied_at: datetime | None = None,
+                   clock: Clock = SYSTEM_CLOCK) -> bool:
     """Record one apply of the catalog in the lake, in one transaction: its `catalog_versions`
     row always, its detail rows when its fingerprint is new. False when the fingerprint was
     recorded before (only the `catalog_versions` row is written then)."""
-    rows = catalog_rows(catalog, applied_at or datetime.now(timezone.utc))
+    rows = catalog_rows(catalog, applied_at or clock.now())
     conn = connect_lake(data_dir)
     try:
         return with_lake_retry(lambda: _append(conn, catalog.fingerprint, rows))

@@ -11,16 +11,17 @@ import contextlib
 import fcntl
 import os
 from collections.abc import Iterator
-from datetime import datetime, timezone
 from pathlib import Path
 
+from core.clock import SYSTEM_CLOCK, Clock
 from warehouse.durable import sync_dir
 
 __all__ = ["CatalogStore"]
 
 
 class CatalogStore:
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.clock = clock
         self.folder = folder
         self.current = folder / "current.toml"
 
@@ -52,7 +53,7 @@ class CatalogStore:
     def apply(self, text: str, fingerprint: str) -> Path:
         history = self.folder / "history"
         history.mkdir(parents=True, exist_ok=True)
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+        stamp = self.clock.now().strftime("%Y%m%dT%H%M%S%fZ")
         kept = history / f"{stamp}-{fingerprint}.toml"
         kept.write_text(text, encoding="utf-8")
         tmp = self.folder / f".current.{os.getpid()}.tmp"

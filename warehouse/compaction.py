@@ -27,6 +27,7 @@ from datetime import datetime, timedelta, timezone
 
 import duckdb
 
+from core.clock import SYSTEM_CLOCK, Clock
 from warehouse.lake import with_lake_retry
 
 __all__ = ["CompactionReport", "compact_lake"]
@@ -57,7 +58,7 @@ def _before_day(moment: datetime) -> str:
 
 
 def compact_lake(conn: duckdb.DuckDBPyConnection, *, retention: timedelta,
-                 alias: str = "lake") -> CompactionReport:
+                 alias: str = "lake", clock: Clock = SYSTEM_CLOCK) -> CompactionReport:
     """Compact the lake attached to `conn` as `alias`, keeping `retention` of history."""
 
     def call(sql: str) -> list[tuple[object, ...]]:
@@ -78,7 +79,7 @@ def compact_lake(conn: duckdb.DuckDBPyConnection, *, retention: timedelta,
 
     call(f"CALL ducklake_flush_inlined_data('{alias}')")
     merged = call(f"CALL ducklake_merge_adjacent_files('{alias}')")
-    cutoff = datetime.now(timezone.utc) - retention
+    cutoff = clock.now() - retention
     expired = call(f"CALL ducklake_expire_snapshots('{alias}', older_than => {_before_day(cutoff)})")
     same_day = [snapshot for (snapshot,) in call(
         f"SELECT snapshot_id FROM ducklake_snapshots('{alias}') WHERE snapshot_time < {_instant(cutoff)}"

@@ -28,13 +28,14 @@ import logging
 import re
 import threading
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 
 import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from core.clock import SYSTEM_CLOCK, Clock
 from warehouse.journal import run_in_background
 from warehouse.lake import attach_lake, transaction, with_lake_retry
 
@@ -92,7 +93,9 @@ class LakeExporter:
     """Moves committed operational rows to the lake. One instance per exporting thread; the
     lake connection it opens is used only by the thread that calls `export_once`."""
 
-    def __init__(self, data_dir: Path, *, batch_rows: int = BATCH_ROWS) -> None:
+    def __init__(self, data_dir: Path, *, batch_rows: int = BATCH_ROWS,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
+        self.clock = clock
         self.data_dir = data_dir
         self.batch_rows = batch_rows
         self.behind = False  # the last round left rows behind (a full batch)
@@ -134,7 +137,7 @@ class LakeExporter:
         if not batches:
             return counts
         labels_select = self._labels_query(op_conn)
-        now = datetime.now(timezone.utc)
+        now = self.clock.now()
         with_lake_retry(lambda: self._write_lake(lake, batches, labels_select, now))
         self._advance_watermarks(op_conn, batches, now)
         for batch in batches:
@@ -242,7 +245,7 @@ class LakeExporter:
             log.warning("the lake's last export of %s is #%d (seq %d) but the file recorded #%d "
                         "(seq %d); exporting again from seq %d", mark.stream, found.export_id,
                         found.last_seq, mark.export_id, mark.last_seq, found.last_seq + 1)
-        self._store_watermark(op_conn, found, datetime.now(timezone.utc))
+        self._store_watermark(op_conn, found, self.clock.now())
         return found
 
     @staticmethod

@@ -35,6 +35,7 @@ import duckdb
 import msgspec
 import pyarrow as pa
 
+from core.constants import INT64_MAX, INT64_MIN
 from warehouse.durable import sync_dir
 
 __all__ = ["DirectStore", "Journal", "JournaledStore", "TableWriter", "register_table", "write_rows"]
@@ -170,7 +171,7 @@ def _zero_fill(fd: int, size: int) -> None:
         at += os.pwrite(fd, block[:min(len(block), size - at)], at)
 
 
-_BIGINT = (-(2 ** 63), 2 ** 63 - 1)
+_BIGINT = (INT64_MIN, INT64_MAX)
 
 
 def out_of_range(row: tuple[Any, ...]) -> bool:

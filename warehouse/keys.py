@@ -14,11 +14,11 @@ import os
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 import msgspec
 
+from core.clock import SYSTEM_CLOCK, Clock
 from warehouse.durable import sync_dir
 
 __all__ = ["KeyNotFound", "ServiceKey", "ServiceKeyStore"]
@@ -49,7 +49,8 @@ class _KeyRecord(msgspec.Struct):
 
 
 class ServiceKeyStore:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.clock = clock
         self.path = path
 
     def signature(self) -> tuple[int, int] | None:
@@ -108,14 +109,13 @@ class ServiceKeyStore:
         with self._changing() as keys:
             return self._add(keys, realm)
 
-    @staticmethod
-    def _add(keys: dict[str, ServiceKey], realm: str) -> ServiceKey:
+    def _add(self, keys: dict[str, ServiceKey], realm: str) -> ServiceKey:
         key = ServiceKey(
             key_id="tgk_" + secrets.token_hex(12),
             realm=realm,
             secret=base64.b64encode(secrets.token_bytes(32)).decode(),
             disabled=False,
-            created_at=datetime.now(timezone.utc).isoformat(),
+            created_at=self.clock.now().isoformat(),
         )
         keys[key.key_id] = key
         return key

@@ -63,6 +63,8 @@ from typing import TypeVar
 
 import duckdb
 
+from core.layout import DataFolder
+
 __all__ = ["LAKE_TABLES", "attach_lake", "connect_lake", "lake_paths", "table_folder", "transaction",
            "with_lake_retry"]
 
@@ -161,7 +163,7 @@ RATINGS_VIEW = f"{_ROWS_VIEW} UNION ALL {_LINES_VIEW}"
 
 def lake_paths(data_dir: Path) -> tuple[Path, Path]:
     """(catalog file, data folder) of the lake under a data folder."""
-    root = data_dir / "lake"
+    root = DataFolder(data_dir).lake
     return root / "catalog.sqlite", root / "data"
 
 

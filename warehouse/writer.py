@@ -29,12 +29,13 @@ import socket
 import struct
 import time
 from collections.abc import Callable, Iterable
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any, Protocol
 
 import duckdb
 import msgspec
 
+from core.clock import SYSTEM_CLOCK, Clock
 from warehouse.journal import DirectStore, JournaledStore
 
 __all__ = ["Handler", "RemoteFailure", "Transaction", "WriterClient", "run_writer"]
@@ -144,7 +145,7 @@ def run_writer(
     tick: Callable[[duckdb.DuckDBPyConnection], None] | None = None,
     tick_seconds: float = 0.5,
     after_group: Callable[[JournaledStore], None] | None = None,
-    clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
+    clock: Clock = SYSTEM_CLOCK,
 ) -> None:
     """The writer process's loop; returns when the service closes its end of the socket.
 
@@ -169,7 +170,7 @@ def run_writer(
                 pass
             requests = [decode_request(frame) for frame in _frames(buf)]
             if requests:
-                replies = _run_group(store, requests, handlers, on_rollback, clock())
+                replies = _run_group(store, requests, handlers, on_rollback, clock.now())
                 sock.setblocking(True)
                 sock.sendall(b"".join(_reply_frame(r) for r in replies))
                 sock.setblocking(False)

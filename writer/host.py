@@ -23,7 +23,8 @@ from typing import Any
 
 import msgspec
 
-from core.clock import utcnow
+from core.clock import SYSTEM_CLOCK
+from core.layout import DataFolder
 from pipelines.catalog import Catalog, CatalogInvalid, load_catalog
 from warehouse.catalog_store import CatalogStore
 from warehouse.export import run_exporter_thread
@@ -46,7 +47,7 @@ class CatalogView:
     """The applied catalog as the writer process sees it, re-read when the file changes."""
 
     def __init__(self, data_dir: Path) -> None:
-        self._store = CatalogStore(data_dir / "catalog")
+        self._store = CatalogStore(DataFolder(data_dir).catalog)
         self._sig: Any = None
         self.current = Catalog.empty()
         self.refresh()
@@ -99,13 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
     data_dir = Path(args.data_dir)
     sock = socket.socket(fileno=args.fd)
-    conn = open_operational(data_dir / "operational.duckdb")
-    store = JournaledStore(conn, data_dir / "journal")
+    conn = open_operational(DataFolder(data_dir).operational)
+    store = JournaledStore(conn, DataFolder(data_dir).journal)
     store.recover()
     catalog = CatalogView(data_dir)
     outbox = EventOutbox(conn)
     ingest = IngestHandler(outbox)
-    gate = GateBook(lambda: catalog.current, utcnow)
+    clock = SYSTEM_CLOCK
+    gate = GateBook(lambda: catalog.current, clock)
     gate.rebuild(conn)
     handlers: dict[type, Any] = {
         IngestOp: ingest,
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from writer.events.inline_rating import InlineRater
 
-    inline_rater = InlineRater(catalog)
+    inline_rater = InlineRater(catalog, clock)
 
     def rate_singles(limit: int | None = None) -> None:
         # The events are durable and their replies sent: a failure here is logged and can no
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     # never hold up a group.
     stop = threading.Event()
     exporter = run_exporter_thread(conn, data_dir, stop)
-    run_writer(store, sock, decode_request, handlers, on_rollback=rebuild, tick=tick,
+    run_writer(store, sock, decode_request, handlers, on_rollback=rebuild, tick=tick, clock=clock,
                after_group=after_group, tick_seconds=0.25)
     rate_singles()  # what the last tick did not reach
     store.close()  # everything into the file first, so the exporter's last round ships it

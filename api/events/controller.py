@@ -17,7 +17,6 @@ from api.errors import AppError, BadRequest, Unprocessable
 from api.events.views import event_view, item_view, to_record
 from api.requests import authenticate, read_body
 from api.runtime import Runtime
-from core.clock import utcnow
 from pipelines.catalog import Realm
 from pipelines.events import FieldError, ValidEvent, decode_event, validate_event
 from writer.ops import IngestOp
@@ -83,7 +82,7 @@ async def record_event(request: Any) -> Reply:
         item = decode_event(body)
     except _UNDECODABLE as exc:
         raise _malformed(exc) from None
-    result = validate_event(item, realm=realm.id, billing_account_id=account, now=utcnow(),
+    result = validate_event(item, realm=realm.id, billing_account_id=account, now=runtime.clock.now(),
                             max_future_skew_seconds=realm.settings.max_future_skew_seconds,
                             floats_normalized=True)
     if not isinstance(result, ValidEvent):
@@ -111,7 +110,7 @@ async def record_event_batch(request: Any) -> Reply:
     if len(items) > limit:
         raise Unprocessable("VALIDATION.BATCH_TOO_LARGE",
                             f"a batch holds at most {limit} events, got {len(items)}; nothing was written")
-    now = utcnow()
+    now = runtime.clock.now()
     skew = realm.settings.max_future_skew_seconds
     results: list[dict[str, Any]] = [{}] * len(items)
     valid: list[tuple[int, ValidEvent]] = []

@@ -15,11 +15,11 @@ import msgspec
 from litestar import Controller, Request, post
 
 from api.auth import AuthContext
-from api.envelope import Reply, error_body, ok, trace_id_of
-from api.errors import BadRequest, Conflict, Forbidden, Unprocessable
+from api.envelope import Reply, error_reply, ok, trace_id_of
+from api.errors import AppError, BadRequest, Conflict, Forbidden, Unprocessable
 from api.requests import authenticate, read_body
 from api.runtime import Runtime
-from core.clock import utcnow
+from core.constants import INT64_MAX
 from pipelines.catalog import CODE_PATTERN, Realm
 from writer.ops import (
     AuthorizeOp,
@@ -34,11 +34,9 @@ from writer.ops import (
 __all__ = ["GateController", "authorize", "cancel", "commit"]
 
 _INT = re.compile(r"[0-9]+")
-_INT64_MAX = 2**63 - 1
-_INT64_DIGITS = len(str(_INT64_MAX))
+_INT64_DIGITS = len(str(INT64_MAX))
 _FROM_BODY: Any = object()  # a field read from the body itself, not from a nested entry
 _sorted = msgspec.json.Encoder(order="sorted").encode
-_encode = msgspec.json.encode
 
 
 class _Fields:
@@ -73,7 +71,7 @@ class _Fields:
         # (which refuses strings of over 4,300 digits with a ValueError).
         digits = value.lstrip("0") if isinstance(value, str) else ""
         if (not isinstance(value, str) or not _INT.fullmatch(value) or len(digits) > _INT64_DIGITS
-                or int(digits or "0") > _INT64_MAX):
+                or int(digits or "0") > INT64_MAX):
             self.fault(field, "VALIDATION.INVALID_QUANTITY",
                        f"{name} must be a string holding a non-negative integer within signed 64-bit, e.g. \"1500\"")
             return None
@@ -221,7 +219,7 @@ async def _authorize(call: _Call) -> GateOutcome:
             status=422, code="RESOURCE.NOT_FOUND",
             message=f"unknown or inactive feature {feature_code!r}"
                     + (f" in family {family!r}" if family is not None else "")))
-    refusal = call.runtime.rate_limiter.admit(call.realm, feature.code, call.principal, call.account, utcnow())
+    refusal = call.runtime.rate_limiter.admit(call.realm, feature.code, call.principal, call.account, call.runtime.clock.now())
     if refusal is not None:
         limited = GateOutcome(
             status=429, code="LIMIT.RATE_EXCEEDED", message="rate limit exceeded; retry later",
@@ -283,5 +281,6 @@ def _render(trace_id: str, outcome: GateOutcome) -> Reply:
         headers["Idempotent-Replayed"] = "true"
     if 200 <= outcome.status < 300:
         return ok(outcome.data, status=outcome.status, hints=outcome.hints, headers=headers)
-    body = error_body(trace_id, outcome.status, outcome.code, outcome.message, outcome.errors, outcome.hints)
-    return Reply(_encode(body), outcome.status, headers)
+    return error_reply(trace_id, AppError.of_status(
+        outcome.status, outcome.code, outcome.message, errors=outcome.errors,
+        hints=outcome.hints, headers=headers))

@@ -14,10 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from core.constants import INT64_MAX, INT64_MIN
 from pipelines.rating.parse import bind_params
 from pipelines.rating.tree import (
-    INT64_MAX,
-    INT64_MIN,
     INTEGER_PATTERN,
     NUMBER_PATTERN,
     Agg,

@@ -17,6 +17,7 @@ import re
 from collections.abc import Mapping
 from typing import TypeVar, cast
 
+from core.constants import INT64_MAX, INT64_MIN
 from pipelines.rating.errors import DslError, DslErrors
 from pipelines.rating.tree import (
     AGG_OPS,
@@ -24,8 +25,6 @@ from pipelines.rating.tree import (
     COMPARE_OPS,
     ENGINES,
     EVENT_FIELDS,
-    INT64_MAX,
-    INT64_MIN,
     ROUNDINGS,
     Agg,
     AggOp,

@@ -27,8 +27,6 @@ EVENT_FIELDS: tuple[EventField, ...] = (
     "billing_account_id",
 )
 
-INT64_MIN = -(2**63)
-INT64_MAX = 2**63 - 1
 
 # Both back ends read numeric text with these exact patterns (Python `re` and DuckDB's RE2 agree
 # on this subset); group 1 is the number without the surrounding ASCII whitespace.

@@ -26,6 +26,7 @@ import duckdb
 import msgspec
 import pyarrow as pa
 
+from core.clock import SYSTEM_CLOCK, Clock
 from pipelines.catalog import Catalog, Realm
 from pipelines.pricing import PriceRow, price_line
 from pipelines.rating import EventFacts, PolicyDoc, evaluate, evaluate_aggregate, parse_policy
@@ -98,8 +99,9 @@ class _RealmRules:
 class InlineRater:
     """Rates single events in the writer process; see the module docstring."""
 
-    def __init__(self, catalog: _CatalogSource) -> None:
+    def __init__(self, catalog: _CatalogSource, clock: Clock = SYSTEM_CLOCK) -> None:
         self._catalog = catalog
+        self._clock = clock
         self._fingerprint: str | None = None
         self._rules: dict[str, _RealmRules] = {}
         self._seq: int | None = None
@@ -116,7 +118,7 @@ class InlineRater:
     def rate(self, conn: duckdb.DuckDBPyConnection, items: list[tuple[str, EventRecord]]) -> list[_Row]:
         """Rate `items` (realm, event): their `inline_ratings` rows, `seq` first, numbered on
         from the table's last (`conn` is read for that once)."""
-        rated_at = datetime.now(timezone.utc)
+        rated_at = self._clock.now()
         rows = [row for realm, record in items for row in self._rows(realm, record, rated_at)]
         if not rows:
             return []

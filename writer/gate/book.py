@@ -30,6 +30,8 @@ from typing import Any
 import duckdb
 import msgspec
 
+from core.clock import Clock
+from core.constants import INT64_MAX
 from pipelines.catalog import Budget, Catalog, Feature, Quota, Realm
 from pipelines.events import format_instant
 from pipelines.pricing import PricedLine, PriceRow, price_line, quote
@@ -196,14 +198,13 @@ def _error(status: int, code: str, message: str, **extra: Any) -> GateOutcome:
     return GateOutcome(status=status, code=code, message=message, **extra)
 
 
-_INT64_MAX = 2 ** 63 - 1  # amounts are BIGINT in the file and the lake
 
 
 def _hint_amount(xusd: int) -> int:
     """An amount for a hint, within signed 64-bit. A shortfall grows with an account's debt,
     which commits may push past any bound; an outcome travels from the writer as msgpack,
     which cannot carry an integer beyond 2^64-1 (the writer would die sending the reply)."""
-    return min(xusd, _INT64_MAX)
+    return min(xusd, INT64_MAX)
 
 
 def _price_lines(prices: PriceIndex, lines: list[tuple[str, int]], now: datetime,
@@ -223,14 +224,14 @@ def _price_lines(prices: PriceIndex, lines: list[tuple[str, int]], now: datetime
         priced = price_line(row, qty, carry[key] if key in carry else carried(*key))
         carry[key] = priced.remainder_after
         total += priced.amount_xusd
-        if priced.amount_xusd > _INT64_MAX or total > _INT64_MAX:
+        if priced.amount_xusd > INT64_MAX or total > INT64_MAX:
             return None
         out.append((meter, qty, row, priced))
     return out
 
 
 class GateBook:
-    def __init__(self, catalog: Callable[[], Catalog], clock: Callable[[], datetime]) -> None:
+    def __init__(self, catalog: Callable[[], Catalog], clock: Clock) -> None:
         self._catalog = catalog
         self._clock = clock
         self._price_index: dict[str, PriceIndex] = {}
@@ -239,7 +240,7 @@ class GateBook:
     # ---- state --------------------------------------------------------------------------
     def rebuild(self, conn: duckdb.DuckDBPyConnection) -> None:
         """Load the state from the file: at start, and after a group failed to commit."""
-        now = self._clock()
+        now = self._clock.now()
         self.leases: dict[str, Lease] = {}
         self.expiry: list[tuple[datetime, str]] = []
         self.tally = Tally()
@@ -313,7 +314,7 @@ class GateBook:
         """Record the catalog's grants in the ledger, once per id (idempotent by id)."""
         catalog = self._catalog()
         new = []
-        now = self._clock()
+        now = self._clock.now()
         for realm in catalog.realms.values():
             for account in realm.accounts.values():
                 for grant in account.grants:
@@ -430,9 +431,9 @@ class GateBook:
 
         # Checked after the limits, whose refusals come first in the contract's order: only a
         # hold this call would keep must fit the ledger's BIGINT.
-        if cost > _INT64_MAX:
+        if cost > INT64_MAX:
             return _error(422, "VALIDATION.INVALID_INPUT",
-                          f"the estimate's price is beyond what the ledger holds ({_INT64_MAX} xusd)",
+                          f"the estimate's price is beyond what the ledger holds ({INT64_MAX} xusd)",
                           errors=[{"field": "estimated_quantity_minor", "code": "VALIDATION.INVALID_VALUE",
                                    "message": "priced, this estimate exceeds 2^63-1 xusd"}])
 
@@ -530,7 +531,7 @@ class GateBook:
             (realm.id, lease.account, meter, fingerprint), 0))
         if planned is None:
             return _error(422, "VALIDATION.INVALID_INPUT",
-                          f"the commit's amount is beyond what the ledger holds ({_INT64_MAX} xusd)",
+                          f"the commit's amount is beyond what the ledger holds ({INT64_MAX} xusd)",
                           errors=[{"field": "quantity_minor", "code": "VALIDATION.INVALID_VALUE",
                                    "message": "priced, this quantity exceeds 2^63-1 xusd"}])
         commit_id = "cmt_" + _random.take(12).hex()
@@ -613,7 +614,7 @@ class GateBook:
     # ---- time -----------------------------------------------------------------------------------
     def expire_due(self, conn: duckdb.DuckDBPyConnection) -> int:
         """Expire every active lease past its time, releasing its holds (no call needed)."""
-        now = self._clock()
+        now = self._clock.now()
         due: list[Lease] = []
         while self.expiry and self.expiry[0][0] <= now:
             _, sha = heapq.heappop(self.expiry)
@@ -641,7 +642,7 @@ class GateBook:
     def forget_old(self) -> None:
         """Bound memory: ended leases after a week, idempotency records after 24 h, usage
         cells of months before the last."""
-        now = self._clock()
+        now = self._clock.now()
         for sha in [s for s, lease in self.leases.items()
                     if lease.ended_at is not None and now - lease.ended_at > ENDED_LEASE_MEMORY]:
             del self.leases[sha]

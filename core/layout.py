@@ -1,0 +1,60 @@
+"""The data folder's layout: every file and folder tollgate keeps under it, named once.
+
+    operational.duckdb   the writer's operational file (outbox, gate book, idempotency)
+    journal/             the writer's journal segments, ahead of the operational file
+    keys.json            service keys (mode 0600), never in the lake
+    catalog/             the applied catalog and its history, written by the CLI
+    lake/                DuckLake: its SQLite catalog and Parquet files; `spill/` for flows,
+                         `rating.lock` serialising rating runs
+    reports/             usage reports as Parquet, written by publish-usage-reports
+    .serve.lock          held by the one `tollgate serve` of this folder
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["DataFolder"]
+
+
+@dataclass(frozen=True, slots=True)
+class DataFolder:
+    root: Path
+
+    @property
+    def operational(self) -> Path:
+        return self.root / "operational.duckdb"
+
+    @property
+    def journal(self) -> Path:
+        return self.root / "journal"
+
+    @property
+    def keys(self) -> Path:
+        return self.root / "keys.json"
+
+    @property
+    def catalog(self) -> Path:
+        return self.root / "catalog"
+
+    @property
+    def lake(self) -> Path:
+        return self.root / "lake"
+
+    @property
+    def lake_spill(self) -> Path:
+        """Where flows spill and keep work in progress: next to the lake, on the same disk."""
+        return self.lake / "spill"
+
+    @property
+    def rating_lock(self) -> Path:
+        return self.lake / "rating.lock"
+
+    @property
+    def reports(self) -> Path:
+        return self.root / "reports"
+
+    @property
+    def serve_lock(self) -> Path:
+        return self.root / ".serve.lock"
