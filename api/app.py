@@ -38,7 +38,7 @@ async def healthz_head(request: Request[Any, Any, Any]) -> Response[None]:
     """The readiness of GET /healthz as a status alone, for load balancers that probe with HEAD."""
     runtime: Runtime = request.app.state.runtime
     ready = runtime.ready and not runtime.writer.closed
-    return Response(content=b"", status_code=200 if ready else 503)
+    return Response(content=None, status_code=200 if ready else 503)
 
 
 def create_app(settings: Settings) -> Litestar:
@@ -54,7 +54,7 @@ def create_app(settings: Settings) -> Litestar:
         route_handlers=[healthz, healthz_head, EventsController, GateController],
         on_startup=[start],
         on_shutdown=[stop],
-        exception_handlers={Exception: handle_exception},
+        exception_handlers={Exception: handle_exception},  # type: ignore[dict-item]
         openapi_config=OpenAPIConfig(title="tollgate", version="0.1.0", path="/schema",
                                      render_plugins=[SwaggerRenderPlugin()]),
         request_max_body_size=settings.max_body_bytes,
@@ -62,7 +62,7 @@ def create_app(settings: Settings) -> Litestar:
     )
     app.state.runtime = runtime
     # The hot POST routes skip Litestar's routing and middleware (see api/direct.py).
-    app.asgi_handler = DirectRoutes(TraceIdMiddleware(app.asgi_handler), app, {  # type: ignore[assignment]
+    app.asgi_handler = DirectRoutes(TraceIdMiddleware(app.asgi_handler), app, {
         "/mgt/v1/gate/authorize": gate.authorize,
         "/mgt/v1/gate/commits": gate.commit,
         "/mgt/v1/gate/cancel": gate.cancel,

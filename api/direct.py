@@ -20,7 +20,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from litestar import Litestar
-from litestar.types import ASGIApp, Receive, Scope, Send
+from litestar.enums import ScopeType
+from litestar.types import ASGIApp, HTTPResponseStartEvent, HTTPScope, Receive, Scope, Send
 
 from api.envelope import Reply, error_reply, request_trace_id
 
@@ -50,24 +51,23 @@ class DirectRoutes:
         self.routes = routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
+        if scope["type"] == ScopeType.HTTP and scope["method"] == "POST":
             handler = self.routes.get(scope["path"])
             if handler is not None:
                 await self._serve(handler, scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
-    async def _serve(self, handler: Handler, scope: Any, receive: Receive, send: Send) -> None:
+    async def _serve(self, handler: Handler, scope: HTTPScope, receive: Receive, send: Send) -> None:
         trace = request_trace_id(scope["headers"])
-        state = scope.get("state")
-        if state is None:
-            scope["state"] = state = {}
-        state["trace_id"] = trace
+        scope.setdefault("state", {})["trace_id"] = trace
         try:
             reply = await handler(DirectRequest(self.litestar, scope, receive))
         except Exception as exc:
             reply = error_reply(trace, exc)
         status, body, headers = reply.status_code, reply.body, reply.encode_headers()
         headers = [*headers, (b"x-request-id", trace.encode())]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        start: HTTPResponseStartEvent = {"type": "http.response.start", "status": status,
+                                         "headers": headers}
+        await send(start)
+        await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -11,10 +11,12 @@ import itertools
 import logging
 import os
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
 from litestar import Request
+from litestar.enums import ScopeType
 from litestar.exceptions import HTTPException
 from litestar.response.base import ASGIResponse
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
@@ -90,7 +92,7 @@ def _error_body(trace_id: str, status: int, code: str, message: str,
 
 
 def trace_id_of(scope: Scope) -> str:
-    return scope["state"].get("trace_id") or new_trace_id()  # type: ignore[no-any-return]
+    return str(scope["state"].get("trace_id") or new_trace_id())
 
 
 _HTTP_CODES = {
@@ -132,7 +134,7 @@ def handle_exception(request: Request[Any, Any, Any], exc: Exception) -> Reply:
     return error_reply(trace_id_of(request.scope), exc)
 
 
-def request_trace_id(headers: list[tuple[bytes, bytes]]) -> str:
+def request_trace_id(headers: Iterable[tuple[bytes, bytes]]) -> str:
     """The caller's X-Request-Id when it is sane, else a new trace id."""
     for name, value in headers:
         if name == b"x-request-id" and CLIENT_TRACE_ID.fullmatch(value):
@@ -148,7 +150,7 @@ class TraceIdMiddleware:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != ScopeType.HTTP:
             await self.app(scope, receive, send)
             return
         trace = request_trace_id(scope["headers"])

@@ -69,7 +69,7 @@ class OneWriteHttpToolsProtocol(HttpToolsProtocol):
             completed()
 
         cycle.on_response = on_response
-        super()._start_asgi_task(cycle, app)  # type: ignore[misc]
+        super()._start_asgi_task(cycle, app)
 
     def send_400_response(self, msg: str) -> None:
         trace = new_trace_id()

@@ -24,7 +24,7 @@ async def read_body(request: Request[Any, Any, Any]) -> bytes:
     message = await receive()
     if message["type"] == "http.disconnect":
         raise BadRequest("REQUEST.INCOMPLETE", "the client went away before sending the body")
-    body = message.get("body", b"")
+    body: bytes = message.get("body", b"")  # type: ignore[assignment]
     if message.get("more_body"):
         chunks = [body]
         size = len(body)
@@ -32,7 +32,7 @@ async def read_body(request: Request[Any, Any, Any]) -> bytes:
             message = await receive()
             if message["type"] == "http.disconnect":
                 raise BadRequest("REQUEST.INCOMPLETE", "the client went away before sending the body")
-            chunk = message.get("body", b"")
+            chunk: bytes = message.get("body", b"")  # type: ignore[assignment]
             size += len(chunk)
             if size > limit:
                 raise PayloadTooLarge("VALIDATION.BODY_TOO_LARGE", "request body is larger than 16 MiB")
@@ -46,9 +46,9 @@ async def read_body(request: Request[Any, Any, Any]) -> bytes:
 def authenticate(runtime: Runtime, request: Request[Any, Any, Any], body: bytes) -> AuthContext:
     scope = request.scope
     headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-    path = scope.get("raw_path") or scope["path"].encode()
-    if isinstance(path, bytes):
-        path = path.decode("latin-1")
-    if scope.get("query_string"):
-        path = f"{path}?{scope['query_string'].decode('latin-1')}"
+    raw: bytes = scope.get("raw_path") or scope["path"].encode()
+    path = raw.decode("latin-1")
+    query: bytes = scope.get("query_string", b"")
+    if query:
+        path = f"{path}?{query.decode('latin-1')}"
     return runtime.auth.verify(scope["method"], path, headers, body)

@@ -63,7 +63,8 @@ def _int64(column: pa.ChunkedArray | pa.Array, fill: int) -> np.ndarray:
     filled = pc.fill_null(column, fill)
     if isinstance(filled, pa.ChunkedArray):
         filled = filled.combine_chunks()
-    return filled.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    result: np.ndarray = filled.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    return result
 
 
 def uuid_words(column: pa.ChunkedArray | pa.Array, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TextIO
+from typing import TextIO, cast
 from uuid import UUID
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -21,7 +21,7 @@ class RunProgress:
     def __init__(self, title: str, *, key: str | None = None, stream: TextIO | None = None) -> None:
         self.title = title
         self.stream = stream or sys.stderr
-        self._artifact: UUID | None = create_progress_artifact(0.0, key=key, description=title)
+        self._artifact = cast(UUID | None, create_progress_artifact(0.0, key=key, description=title))
         self._shown = -1.0
         self._last = 0.0
         self._done, self._total = 0, 0

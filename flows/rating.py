@@ -145,20 +145,20 @@ def rerate_arguments(conn: duckdb.DuckDBPyConnection, catalog: Catalog, occurred
                                    or not all(isinstance(v, str) for v in values)):
             raise ValueError(f"{name} must be a non-empty JSON list of ids, e.g."
                              f" --param '{name}=[\"...\"]' (leave it out for all)")
-    if accounts:
+    if isinstance(accounts, list) and accounts:
         known = {a for realm in catalog.realms.values() for a in realm.accounts}
-        missing = sorted(set(accounts) - known)  # type: ignore[arg-type]
+        missing = sorted(set(accounts) - known)
         if missing:
             found = conn.execute("SELECT DISTINCT billing_account_id FROM lake.events"
                                  " WHERE billing_account_id IN (SELECT unnest(?))", [missing]).fetchall()
             missing = sorted(set(missing) - {a for (a,) in found})
         if missing:
             raise ValueError(f"accounts: no account {', '.join(missing)} in the catalog or the lake")
-    if policy_ids:
+    if isinstance(policy_ids, list) and policy_ids:
         known = {p for realm in catalog.realms.values() for p in realm.policies}
         known |= {p for (p,) in conn.execute(
             "SELECT DISTINCT policy_id FROM lake.catalog_policy_versions").fetchall()}
-        missing = sorted(set(policy_ids) - known)  # type: ignore[arg-type]
+        missing = sorted(set(policy_ids) - known)
         if missing:
             raise ValueError(f"policy_ids: no policy {', '.join(missing)} in any applied catalog")
     return start, end

@@ -77,7 +77,7 @@ def _publish_artifact(report: pa.Table, period: str, run_id: str) -> int:
         key=key, description=(f"{title}, report {run_id} (amounts in xusd): {shown.num_rows} of"
                               f" {rows.num_rows} rows, newest first (at most {cap} shown); every row"
                               f" is in lake.usage_reports and reports/usage_{period}.parquet"))
-    return rows.num_rows
+    return int(rows.num_rows)
 
 
 def _write_parquet(folder: Path, run_id: str, report: pa.Table) -> list[Path]:

@@ -1,4 +1,4 @@
-"""Canonical JSON, the event `request_hash` and the deterministic `event_id`.
+r"""Canonical JSON, the event `request_hash` and the deterministic `event_id`.
 
 The dedupe identity of an event is (realm, billing_account_id, request_hash). The hash is
 taken over the canonical JSON of the event's facts, so two requests that carry the same facts

@@ -1,5 +1,12 @@
 """Fixtures that run the real service: a subprocess `tollgate serve` on loopback over a real
-data folder, a real catalog applied with the real CLI, and real service keys."""
+data folder, a real catalog applied with the real CLI, and real service keys.
+
+Markers (README.md, "Test it"): `server` on a test that starts `tollgate serve` (any test
+that uses the `service` or `fresh_service` fixture is marked by `pytest_collection_modifyitems`;
+a module that starts one itself says so with `pytestmark`), `prefect` on a test that runs
+Prefect flows. `-m "not server and not prefect"` is the fast subset; run that way, a test that
+starts a service anyway fails and names the marker it lacks.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +28,22 @@ import pytest
 from api.auth import sign_headers
 
 FIXTURES = Path(__file__).parent / "fixtures"
+# Set when the run excludes the `server` marker: a test that starts a service then fails.
+_SERVERS_EXCLUDED = False
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _SERVERS_EXCLUDED
+    _SERVERS_EXCLUDED = "not server" in (config.option.markexpr or "")
+    if "not prefect" in (config.option.markexpr or ""):
+        # A flow run then fails at once on an API nobody serves, naming the marker it lacks.
+        os.environ["PREFECT_API_URL"] = "http://127.0.0.1:9/api"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if {"service", "fresh_service"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.server)
 
 
 def processes_of(data_dir: Path, module: str) -> list[int]:
@@ -70,6 +93,8 @@ class Service:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
+        if _SERVERS_EXCLUDED:
+            raise RuntimeError("this test starts `tollgate serve`: mark it `server`")
         self.log_path = self.data_dir / "serve.log"
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(

@@ -19,6 +19,8 @@ import pytest
 
 from tests.conftest import FIXTURES, Service, free_port, tollgate
 
+pytestmark = pytest.mark.server
+
 ENV = {**os.environ, "TOLLGATE_SCHEDULES": "off", "PYTHONUNBUFFERED": "1"}
 EVENT = {"semantic_kind": "activity", "event_type": "llm.completion",
          "occurred_at": "2026-11-01T12:00:00Z", "payload": {"usage": {"input_tokens": 1}}}

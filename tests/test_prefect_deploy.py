@@ -20,6 +20,8 @@ import pytest
 from tests.conftest import free_port
 from tests.test_rating_flows import lake_query, send_events, start_service
 
+pytestmark = [pytest.mark.server, pytest.mark.prefect]
+
 ROOT = Path(__file__).resolve().parents[1]
 PREFECT = Path(sys.executable).with_name("prefect")
 DEPLOYMENTS = {"rate-events", "close-aggregate-days", "publish-usage-reports", "compact-lake", "rerate"}

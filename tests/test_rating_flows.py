@@ -27,6 +27,8 @@ from tests.lake_events import catalog_toml, policy, price, single
 from warehouse.lake import connect_lake
 from warehouse.operational import open_operational
 
+pytestmark = [pytest.mark.server, pytest.mark.prefect]
+
 TOKENS = {"tokens.in": {"payload_int": "usage.input_tokens", "default": 0},
           "tokens.out": {"payload_int": "usage.output_tokens", "default": 0}}
 POLICIES = (policy("llm", ("v1", "2026-01-01T00:00:00Z", single("llm.completion", "llm.chat", TOKENS)))

@@ -29,6 +29,8 @@ from tests.conftest import Service, make_service, tollgate
 from tests.lake_events import aggregate, catalog_toml, policy, price, single
 from warehouse.lake import LAKE_TABLES, connect_lake
 
+pytestmark = [pytest.mark.server, pytest.mark.prefect]
+
 ROOT = Path(__file__).resolve().parent.parent
 
 TOKENS = {"tokens.in": {"payload_int": "usage.input_tokens", "default": 0},

@@ -20,7 +20,7 @@ from tests.lake_events import LakeFeed, catalog_toml, event
 from tests.test_rating_flows import POLICIES, PRICES, lake_query
 from warehouse.lake import connect_lake
 
-pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+pytestmark = [pytest.mark.server, pytest.mark.prefect, pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")]
 
 
 @pytest.fixture(autouse=True)

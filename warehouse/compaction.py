@@ -89,5 +89,5 @@ def compact_lake(conn: duckdb.DuckDBPyConnection, *, retention: timedelta,
     old = call(f"CALL ducklake_cleanup_old_files('{alias}', older_than => {_before_day(cutoff)})")
     orphans = call(f"CALL ducklake_delete_orphaned_files('{alias}',"
                    f" older_than => now() - {_interval(max(retention, _ORPHAN_AGE))})")
-    merged_files = sum(int(row[2]) for row in merged if len(row) > 2 and row[2] is not None)
+    merged_files = sum(int(str(row[2])) for row in merged if len(row) > 2 and row[2] is not None)
     return CompactionReport(merged_files, len(expired), len(old) + len(orphans))

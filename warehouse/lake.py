@@ -53,6 +53,7 @@ Tables (all times UTC):
 
 from __future__ import annotations
 
+import functools
 import logging
 import sqlite3
 import time
@@ -249,8 +250,8 @@ def attach_lake(conn: duckdb.DuckDBPyConnection, data_dir: Path, *, read_only: b
     if not read_only:
         _upgrade(conn, alias)
         for table, columns in LAKE_TABLES.items():
-            with_lake_retry(lambda t=table, c=columns: conn.execute(
-                f"CREATE TABLE IF NOT EXISTS {alias}.{t} ({c})"))
+            create = f"CREATE TABLE IF NOT EXISTS {alias}.{table} ({columns})"
+            with_lake_retry(functools.partial(conn.execute, create))
         _add_kind_prices(conn, alias)
         if _view_comment(conn, alias, "ratings") != RATINGS_VIEW_VERSION:
             def create_view() -> None:

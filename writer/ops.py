@@ -117,4 +117,4 @@ class IngestOp(msgspec.Struct, tag="ingest", array_like=True, frozen=True):
 
 OPS = IngestOp | AuthorizeOp | CommitOp | CancelOp | RecordOutcomeOp
 # What each op's outcome decodes as, on the HTTP process's side of the socket.
-RESULT_TYPES: dict[type, Any] = {op: op.result_type for op in OPS.__args__}  # type: ignore[attr-defined]
+RESULT_TYPES: dict[type, Any] = {op: op.result_type for op in OPS.__args__}

@@ -178,7 +178,8 @@ async def _handle(request: Any, endpoint: str, decide: Any) -> Reply:
                        hashlib.sha256(raw).hexdigest())
     call = _Call(runtime, ctx, realm, ctx.principal_id, account, body, idem)
     in_flight = runtime.idempotency_in_flight
-    scope = (realm.id, ctx.principal_id, endpoint, ctx.idempotency_key) if idem else None
+    scope = ((realm.id, ctx.principal_id, endpoint, ctx.idempotency_key)
+             if idem and ctx.idempotency_key is not None else None)
     if scope is not None:
         if scope in in_flight:
             raise Conflict("IDEMPOTENCY.IN_PROGRESS", "a request with this Idempotency-Key is in flight")

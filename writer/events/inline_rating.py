@@ -29,7 +29,14 @@ import pyarrow as pa
 from core.clock import SYSTEM_CLOCK, Clock
 from pipelines.catalog import Catalog, Realm
 from pipelines.pricing import PriceRow, price_line
-from pipelines.rating import EventFacts, PolicyDoc, evaluate, evaluate_aggregate, parse_policy
+from pipelines.rating import (
+    EventFacts,
+    Intent,
+    PolicyDoc,
+    evaluate,
+    evaluate_aggregate,
+    parse_policy,
+)
 from warehouse.journal import register_table
 from warehouse.outbox import EventRecord
 
@@ -148,7 +155,7 @@ class InlineRater:
         facts = EventFacts(record.billing_account_id, record.semantic_kind, record.event_type,
                            _rfc3339(occurred_at), record.subject_ref,
                            _decode(record.payload_json), _decode(record.labels_json))
-        matched = []
+        matched: list[tuple[int, str, str, list[Intent] | None]] = []
         for index, policy_id, version, document in rules.in_force(occurred_at):
             if document.engine == "aggregate":
                 if evaluate_aggregate(document, [facts]):
@@ -163,7 +170,7 @@ class InlineRater:
         _, policy_id, version, intents = matched[0]
         if intents is None:
             return [row("deferred", 0, policy_id, version)]
-        rows = []
+        rows: list[_Row] = []
         for intent in intents:
             for meter, quantity in intent.meters:
                 # int(): the evaluator hands a payload boolean back as bool.
