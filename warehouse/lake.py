@@ -126,8 +126,8 @@ _DESCRIBED = ("status", "policy_id", "policy_version", "feature_code", "meter_co
 
 # `ratings` as analysts and the flows read it. Writing a sweep's 1.6 M rows per million
 # events with every string spelled out (two of them unique per row) took 1.41 s of a 2.3 s
-# sweep; with line ids instead, 0.75 s less (see docs/design.md). Unqualified names bind to
-# the lake the view is read from, whatever alias it is attached under.
+# sweep; with line ids instead, 0.75 s less (see docs/measurements.md). Unqualified names
+# bind to the lake the view is read from, whatever alias it is attached under.
 # Stored as the view's comment: a lake whose view has another is given this definition on
 # the next writable attach. Change it whenever RATINGS_VIEW changes.
 RATINGS_VIEW_VERSION = "tollgate ratings view 2"
@@ -146,7 +146,7 @@ _ROWS_VIEW = (
 )
 # A sweep's lines (rating_lines): eight columns written instead of twenty-one, the price row
 # in the line's kind and rated_at the run's start, which took the write from ~0.7 s to
-# ~0.3 s per million events (docs/design.md).
+# ~0.3 s per million events (docs/measurements.md).
 _LINES_VIEW = (
     "SELECT concat(CAST(l.event_id AS VARCHAR), ':', k.line_index, ':',"
     " string_split(l.run_id, '-')[-1]) AS rating_id, l.run_id, 'event' AS source,"
