@@ -12,6 +12,7 @@ import duckdb
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from core.clock import ManualClock
 from pipelines.catalog import load_catalog
 from tests.conftest import FIXTURES, Service
 from warehouse.operational import open_operational
@@ -77,7 +78,7 @@ def test_split_commits_are_charged_exactly_one_commit_of_the_total(meter: str, p
     catalog = load_catalog((FIXTURES / "catalog.toml").read_text())
     for total_run in (parts, [sum(parts)]):
         conn = open_operational_memory()
-        book = GateBook(lambda: catalog, lambda: NOW)
+        book = GateBook(lambda: catalog, ManualClock(NOW))
         book.rebuild(conn)
         charged = 0
         for qty in total_run:
@@ -108,9 +109,9 @@ def open_operational_memory() -> duckdb.DuckDBPyConnection:
 
 def test_expired_leases_release_their_holds_in_the_book() -> None:
     catalog = load_catalog((FIXTURES / "catalog.toml").read_text())
-    clock = [NOW]
+    clock = ManualClock(NOW)
     conn = open_operational_memory()
-    book = GateBook(lambda: catalog, lambda: clock[0])
+    book = GateBook(lambda: catalog, clock)
     book.rebuild(conn)
     tx = Transaction(conn, NOW)
     conn.execute("BEGIN")
@@ -120,7 +121,7 @@ def test_expired_leases_release_their_holds_in_the_book() -> None:
     conn.execute("COMMIT")
     assert ok.status == 200
     assert book.holds.funding[("acme", "acct_gate_expiry")] == 1000
-    clock[0] = NOW + timedelta(seconds=2)
+    clock.advance(2)
     assert book.expire_due(conn) == 1
     assert book.holds.funding[("acme", "acct_gate_expiry")] == 0
     book.rebuild(conn)  # the expiry is in the file too
@@ -152,7 +153,7 @@ def test_amounts_beyond_bigint_are_refused_before_anything_is_written() -> None:
     # would leave a row the file refuses; it is a 422 and nothing changes.
     catalog = load_catalog((FIXTURES / "catalog.toml").read_text())
     conn = open_operational_memory()
-    book = GateBook(lambda: catalog, lambda: NOW)
+    book = GateBook(lambda: catalog, ManualClock(NOW))
     book.rebuild(conn)
     huge = 10 ** 17
     tx = Transaction(conn, NOW)
@@ -264,7 +265,7 @@ def test_a_price_row_whose_terms_change_starts_its_carry_afresh() -> None:
                                                    'unit_quantity_minor = "100"'))
     catalog = [block_1000]
     conn = open_operational_memory()
-    book = GateBook(lambda: catalog[0], lambda: NOW)
+    book = GateBook(lambda: catalog[0], ManualClock(NOW))
     book.rebuild(conn)
     first = _commit_once(book, conn, "gate.ceil", 400)      # ceil: one block of 1000 charged, 400 carried
     assert first["amount_xusd"] == "150"
@@ -283,7 +284,7 @@ def test_cancelling_a_lease_past_its_time_reports_it_expired_before_the_sweep_do
 
     catalog = load_catalog((FIXTURES / "catalog.toml").read_text())
     conn = open_operational_memory()
-    book = GateBook(lambda: catalog, lambda: NOW)
+    book = GateBook(lambda: catalog, ManualClock(NOW))
     book.rebuild(conn)
     tx = Transaction(conn, NOW)
     ok = book.authorize(tx, AuthorizeOp("acme", "expiry-p", "acct_gate_expiry", None, "gate.short", 10, {}, None))()
