@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from litestar import Litestar, Request, Response, get, head
@@ -41,13 +43,18 @@ async def healthz_head(request: Request[Any, Any, Any]) -> Response[None]:
     return Response(content=None, status_code=200 if ready else 503)
 
 
-def create_app(settings: Settings) -> Litestar:
+def create_app(settings: Settings, *, on_stop: Sequence[Callable[[], None]] = ()) -> Litestar:
+    """The app; `on_stop` runs first when the server shuts down (the caller's processes
+    beside this one, such as the flows' scheduler: uvicorn ends the process by the signal
+    that stopped it once it has shut down, so nothing after `run()` is sure to run)."""
     runtime = Runtime(settings)
 
     async def start(app: Litestar) -> None:
         await runtime.start()
 
     async def stop(app: Litestar) -> None:
+        for hook in on_stop:
+            await asyncio.to_thread(hook)
         await runtime.stop()
 
     app = Litestar(

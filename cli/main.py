@@ -230,16 +230,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     _bootstrap(settings)
-    app = create_app(settings)
+    # The flows' schedules run in a process of their own beside the HTTP process and the
+    # writer; they read and write the lake only. The app stops them as it shuts down.
+    scheduler = FlowScheduler.start(settings)
+    app = create_app(settings, on_stop=[scheduler.stop])
     _banner(settings)
     from api.http_protocol import http_protocol
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port, loop="uvloop",
                             http=http_protocol(), lifespan="on", log_level="warning",
                             access_log=False, timeout_keep_alive=30, proxy_headers=False)
-    # The flows' schedules run in a process of their own beside the HTTP process and the
-    # writer; they read and write the lake only.
-    scheduler = FlowScheduler.start(settings)
     try:
         uvicorn.Server(config).run(sockets=[sock])
     except KeyboardInterrupt:
