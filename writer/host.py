@@ -18,13 +18,13 @@ import signal
 import socket
 import sys
 import threading
-from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from core.clock import SYSTEM_CLOCK
 from core.layout import DataFolder
+from core.settings import Settings
 from pipelines.catalog import Catalog, CatalogInvalid, load_catalog
 from warehouse.catalog_store import CatalogStore
 from warehouse.export import run_exporter_thread
@@ -46,8 +46,8 @@ RATE_STEP = 100  # single events rated inline per step between groups
 class CatalogView:
     """The applied catalog as the writer process sees it, re-read when the file changes."""
 
-    def __init__(self, data_dir: Path) -> None:
-        self._store = CatalogStore(DataFolder(data_dir).catalog)
+    def __init__(self, folder: DataFolder) -> None:
+        self._store = CatalogStore(folder.catalog)
         self._sig: Any = None
         self.current = Catalog.empty()
         self.refresh()
@@ -98,12 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
-    data_dir = Path(args.data_dir)
+    settings = Settings.from_env(args.data_dir)
+    folder = settings.folder
     sock = socket.socket(fileno=args.fd)
-    conn = open_operational(DataFolder(data_dir).operational)
-    store = JournaledStore(conn, DataFolder(data_dir).journal)
+    conn = open_operational(folder.operational)
+    store = JournaledStore(conn, folder.journal)
     store.recover()
-    catalog = CatalogView(data_dir)
+    catalog = CatalogView(folder)
     outbox = EventOutbox(conn)
     ingest = IngestHandler(outbox)
     clock = SYSTEM_CLOCK
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     # The lake export runs beside the writer loop on a cursor of its own, so lake commits
     # never hold up a group.
     stop = threading.Event()
-    exporter = run_exporter_thread(conn, data_dir, stop)
+    exporter = run_exporter_thread(conn, settings.data_dir, stop)
     run_writer(store, sock, decode_request, handlers, on_rollback=rebuild, tick=tick, clock=clock,
                after_group=after_group, tick_seconds=0.25)
     rate_singles()  # what the last tick did not reach
