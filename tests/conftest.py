@@ -4,8 +4,9 @@ data folder, a real catalog applied with the real CLI, and real service keys.
 Markers (README.md, "Test it"): `server` on a test that starts `tollgate serve` (any test
 that uses the `service` or `fresh_service` fixture is marked by `pytest_collection_modifyitems`;
 a module that starts one itself says so with `pytestmark`), `prefect` on a test that runs
-Prefect flows. `-m "not server and not prefect"` is the fast subset; run that way, a test that
-starts a service anyway fails and names the marker it lacks.
+Prefect flows, `lake` on one that builds a lake or runs the `tollgate` command.
+`-m "not server and not prefect and not lake"` is the fast subset; run that way, a test that
+starts a service or the command anyway fails and names the marker it lacks.
 """
 
 from __future__ import annotations
@@ -28,16 +29,29 @@ import pytest
 from api.auth import sign_headers
 
 FIXTURES = Path(__file__).parent / "fixtures"
-# Set when the run excludes the `server` marker: a test that starts a service then fails.
-_SERVERS_EXCLUDED = False
+# The markers this run excludes, in the environment rather than in a global: test modules
+# import this file as `tests.conftest`, a second module beside the plugin pytest loaded.
+_EXCLUDED = "TOLLGATE_TESTS_EXCLUDED"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    global _SERVERS_EXCLUDED
-    _SERVERS_EXCLUDED = "not server" in (config.option.markexpr or "")
-    if "not prefect" in (config.option.markexpr or ""):
+    expr = config.option.markexpr or ""
+    excluded = [m for m in ("server", "prefect", "lake") if f"not {m}" in expr]
+    os.environ[_EXCLUDED] = ",".join(excluded)
+    if "prefect" in excluded:
         # A flow run then fails at once on an API nobody serves, naming the marker it lacks.
         os.environ["PREFECT_API_URL"] = "http://127.0.0.1:9/api"
+
+
+def _refuse_if_excluded(marker: str, what: str) -> None:
+    if marker in os.environ.get(_EXCLUDED, "").split(","):
+        raise RuntimeError(f"this test {what}: mark it `{marker}`")
+
+
+def examples(count: int) -> int:
+    """Hypothesis examples for a property test: `count`, or a tenth of it in the fast subset
+    (a quick loop while working; the whole suite runs them all)."""
+    return max(10, count // 10) if "lake" in os.environ.get(_EXCLUDED, "").split(",") else count
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -68,6 +82,7 @@ def free_port() -> int:
 
 
 def tollgate(*args: str, data_dir: Path, check: bool = True) -> subprocess.CompletedProcess[str]:
+    _refuse_if_excluded("lake", "runs the `tollgate` command")
     return subprocess.run([sys.executable, "-m", "cli", *args, "--data-dir", str(data_dir)],
                           capture_output=True, text=True, check=check)
 
@@ -93,8 +108,7 @@ class Service:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        if _SERVERS_EXCLUDED:
-            raise RuntimeError("this test starts `tollgate serve`: mark it `server`")
+        _refuse_if_excluded("server", "starts `tollgate serve`")
         self.log_path = self.data_dir / "serve.log"
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(

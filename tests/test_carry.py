@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from batch import carry
 from batch.carry import CarryOutOfRange, PriceTerms, carry_amounts
 from batch.rating_plan import PlannedPrice, RatingPlan, amounts_sql
+from tests.conftest import examples
 
 START = datetime(2026, 11, 1, tzinfo=timezone.utc)
 
@@ -56,7 +57,7 @@ def _table(conn: duckdb.DuckDBPyConnection, drawn: list, events: list[str], pric
         conn.executemany("INSERT INTO lines VALUES (?, 'r', ?, ?, ?, ?, ?)", values)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(price_rows, lines, st.booleans(), st.booleans())
 def test_the_numpy_carry_charges_what_the_sql_window_charges(rows: list, drawn: list,
                                                              lossless: bool, split: bool) -> None:

@@ -72,6 +72,7 @@ def test_an_invalid_catalog_names_every_fault_with_its_path() -> None:
     assert any(p.startswith("realms.acme.policies[0].versions[0].dsl_json") for p in paths)
 
 
+@pytest.mark.lake
 def test_check_and_apply_from_the_cli_refuse_an_invalid_catalog_whole(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text(BAD)
@@ -84,6 +85,7 @@ def test_check_and_apply_from_the_cli_refuse_an_invalid_catalog_whole(tmp_path: 
     assert "applied" in good.stdout
 
 
+@pytest.mark.lake
 def test_a_grant_id_cannot_come_back_with_another_amount(tmp_path: Path) -> None:
     tollgate("catalog", "apply", str(FIXTURES / "catalog.toml"), data_dir=tmp_path)
     changed = tmp_path / "changed.toml"
@@ -151,6 +153,7 @@ def test_rules_that_used_to_crash_or_slip_through_are_faults_with_their_paths() 
         assert path in {f.path for f in info.value.faults}, (path, [str(f) for f in info.value.faults])
 
 
+@pytest.mark.lake
 def test_a_grant_id_applied_in_any_earlier_catalog_cannot_change_or_move(tmp_path: Path) -> None:
     fixture = (FIXTURES / "catalog.toml").read_text()
     grant = ('[[realms.acme.accounts.acct_prepaid.grants]]\nid = "welcome-2026-11"\n'

@@ -16,6 +16,8 @@ from tests.conftest import FIXTURES, tollgate
 from warehouse.catalog_history import record_catalog
 from warehouse.lake import connect_lake
 
+pytestmark = pytest.mark.lake
+
 JAN = datetime(2026, 1, 1, tzinfo=timezone.utc)
 TABLES = ("catalog_versions", "catalog_prices", "catalog_policy_versions", "catalog_features")
 

@@ -12,6 +12,8 @@ import pytest
 
 from flows.process_memory import environment
 
+pytestmark = pytest.mark.lake
+
 _PROBE = """
 import json, sys
 from pathlib import Path

@@ -14,6 +14,8 @@ import pytest
 
 from tests.conftest import FIXTURES, Service, make_service, tollgate
 
+pytestmark = pytest.mark.server
+
 AUTHORIZE = "/mgt/v1/gate/authorize"
 COMMITS = "/mgt/v1/gate/commits"
 CANCEL = "/mgt/v1/gate/cancel"

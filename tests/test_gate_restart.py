@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from core.clock import ManualClock
 from pipelines.catalog import load_catalog
-from tests.conftest import FIXTURES, Service
+from tests.conftest import FIXTURES, Service, examples
 from warehouse.operational import open_operational
 from warehouse.writer import Transaction
 from writer.gate.book import GateBook
@@ -71,7 +71,7 @@ def test_a_commit_acknowledged_before_kill_9_is_there_once_after_restart(fresh_s
 NOW = datetime(2026, 11, 22, 12, 0, tzinfo=timezone.utc)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(st.sampled_from(["gate.floor", "gate.nearest", "gate.ceil"]),
        st.lists(st.integers(0, 5000), min_size=1, max_size=12))
 def test_split_commits_are_charged_exactly_one_commit_of_the_total(meter: str, parts: list[int]) -> None:

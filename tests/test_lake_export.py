@@ -30,6 +30,8 @@ from warehouse.operational import open_operational
 from warehouse.outbox import EventOutbox
 from warehouse.writer import Transaction
 
+pytestmark = pytest.mark.lake
+
 NOW = datetime(2026, 11, 22, 12, 0, tzinfo=timezone.utc)
 EMPTY = {"events": 0, "commit_lines": 0, "inline_ratings": 0}
 

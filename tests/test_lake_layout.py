@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
+import pytest
 
 from warehouse.lake import (
     LAKE_TABLES,
@@ -16,6 +17,8 @@ from warehouse.lake import (
     connect_lake,
     lake_paths,
 )
+
+pytestmark = pytest.mark.lake
 
 OLD_COLUMNS = LAKE_TABLES["rating_rows"].replace(", line_id BIGINT", "")
 EVENT = "5f0c2a8e-8e8e-4c1a-9a57-3d8a5a0e2b11"

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from pipelines import pricing
 from pipelines.pricing import INT64_MAX, PriceRow, price_line, quote, select_price
+from tests.conftest import examples
 
 MODES: tuple[str, ...] = ("floor", "nearest", "ceil")
 T0 = "2024-01-01T00:00:00Z"
@@ -132,7 +133,7 @@ splits = st.lists(st.integers(0, 10**7), max_size=50)
 
 
 @pytest.mark.parametrize("rounding", MODES)
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(price=st.integers(0, 10**7), unit=st.integers(1, 10**6), quantities=splits)
 def test_sum_of_split_commits_equals_one_commit_of_the_total(
     rounding: str, price: int, unit: int, quantities: list[int]
@@ -142,7 +143,7 @@ def test_sum_of_split_commits_equals_one_commit_of_the_total(
     assert sum(amounts) == price_line(row, sum(quantities), 0).amount_xusd
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(row=price_rows, quantities=splits)
 def test_carry_stays_in_zero_to_unit_quantity_and_is_the_cumulative_modulo_the_unit(
     row: PriceRow, quantities: list[int]
@@ -155,7 +156,7 @@ def test_carry_stays_in_zero_to_unit_quantity_and_is_the_cumulative_modulo_the_u
         assert carry == total % row.unit_quantity_minor
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(row=price_rows, quantities=splits)
 def test_every_prefix_of_commits_is_charged_the_quote_of_its_total(
     row: PriceRow, quantities: list[int]
@@ -169,7 +170,7 @@ def test_every_prefix_of_commits_is_charged_the_quote_of_its_total(
         assert charged == quote(row, total)
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(row=price_rows, quantity=st.integers(0, INT64_MAX))
 def test_quote_is_the_unit_price_times_the_rounded_exact_number_of_blocks(
     row: PriceRow, quantity: int

@@ -32,6 +32,7 @@ from pipelines.rating import (
     rate_sql,
     validate_policy,
 )
+from tests.conftest import examples
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 DAY_1, DAY_2 = "2026-11-01T12:00:00.000000Z", "2026-11-02T00:00:00.000000Z"
@@ -938,7 +939,7 @@ def policies(draw: st.DrawFn, engine: str) -> dict[str, Any]:
 
 overrides = st.dictionaries(st.sampled_from(sorted(PARAMS)), literals, max_size=2)
 PROPERTY = settings(
-    max_examples=200,
+    max_examples=examples(200),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )

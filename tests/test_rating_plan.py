@@ -23,6 +23,7 @@ from batch.sweep import slot_lines
 from pipelines.catalog import load_catalog
 from pipelines.pricing import PriceRow, price_line
 from pipelines.rating import EventFacts, evaluate, parse_policy
+from tests.conftest import examples
 from tests.lake_events import catalog_toml, policy, price, single
 
 V1_AT = "2026-01-01T00:00:00Z"
@@ -138,7 +139,7 @@ def expected(plan: RatingPlan, rows: list[dict[str, Any]]) -> list[tuple[Any, ..
     return sorted(out, key=repr)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(events)
 def test_the_plan_rates_and_prices_like_the_reference(plan: RatingPlan, duck: duckdb.DuckDBPyConnection,
                                                       drawn: list[Any]) -> None:
@@ -178,7 +179,7 @@ def test_the_plan_rates_and_prices_like_the_reference(plan: RatingPlan, duck: du
     assert sorted(swept, key=repr) == expected(plan, rows)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.sampled_from(["floor", "ceil", "nearest"]),
        st.sampled_from([1, 2, 7, 1000, 2**61 - 1, 2**61, 2**62 + 3]),
        st.integers(0, 3),

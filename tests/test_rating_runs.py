@@ -30,6 +30,8 @@ from tests.lake_events import (
 )
 from warehouse.lake import connect_lake, table_folder
 
+pytestmark = pytest.mark.lake
+
 TOKENS_IN = {"payload_int": "usage.input_tokens", "default": 0}
 TOKENS_OUT = {"payload_int": "usage.output_tokens", "default": 0}
 PRICES = (price("tokens.in", 150, 1000, "2026-01-01T00:00:00Z")

@@ -35,6 +35,8 @@ from warehouse.outbox import EventOutbox
 from warehouse.writer import Transaction
 from writer.events.inline_rating import InlineRater, write_inline_ratings
 
+pytestmark = pytest.mark.lake
+
 ROOT = Path(__file__).resolve().parent.parent
 RECEIVED = datetime(2026, 11, 22, 12, 0, tzinfo=timezone.utc)  # created_at of every event
 
