@@ -1,4 +1,4 @@
-"""Prefect flows, thin: each calls `pipelines` over `warehouse` for one data folder.
+"""Prefect flows, thin: each runs the batch engine (`batch`) over the lake of one data folder.
 
     rate-events            the sweep of events not yet rated (every minute)
     rerate                 a manual backfill over an occurred_at range, accounts, policies
