@@ -30,6 +30,7 @@ from pathlib import Path
 
 import duckdb
 
+from batch.chunks import CHUNK_EVENTS
 from batch.rating_plan import (
     RatingPlan,
     amounts_sql,
@@ -47,7 +48,7 @@ from batch.rating_runs import (
     reversal_rows_sql,
     write_run,
 )
-from batch.sweep import CHUNK_EVENTS, sweep_locked
+from batch.sweep import sweep_locked
 from core.clock import SYSTEM_CLOCK, Clock
 from core.constants import INT64_MAX
 from pipelines.rating import compile_aggregate_sql

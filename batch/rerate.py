@@ -27,6 +27,7 @@ from datetime import datetime
 
 import duckdb
 
+from batch.chunks import CHUNK_EVENTS, plan_chunks
 from batch.rating_plan import LINE_CATALOG, RatingPlan, priced_sql, sql_instant, sql_text
 from batch.rating_runs import (
     RatingLock,
@@ -36,7 +37,8 @@ from batch.rating_runs import (
     reversal_rows_sql,
     write_run,
 )
-from batch.sweep import CHUNK_EVENTS, Progress, event_rows_sql, plan_chunks
+from batch.run_writer import event_rows_sql
+from batch.sweep import Progress
 from core.clock import SYSTEM_CLOCK, Clock
 
 __all__ = ["rerate"]

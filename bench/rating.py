@@ -41,9 +41,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from batch.chunks import CHUNK_EVENTS  # noqa: E402
 from batch.rating_plan import RatingPlan  # noqa: E402
 from batch.rating_runs import RatingLock  # noqa: E402
-from batch.sweep import CHUNK_EVENTS, sweep  # noqa: E402
+from batch.sweep import sweep  # noqa: E402
 from flows.workspace import close_lake, open_lake, scratch_dir  # noqa: E402
 from pipelines.catalog import load_catalog  # noqa: E402
 from warehouse.catalog_store import CatalogStore  # noqa: E402

@@ -13,10 +13,11 @@ import duckdb
 from prefect import flow, get_run_logger
 
 from batch.aggregate_days import close_aggregate_days as close_days
+from batch.chunks import CHUNK_EVENTS
 from batch.rating_plan import RatingPlan
 from batch.rating_runs import RatingLock, RunSummary
 from batch.rerate import rerate as rerate_events
-from batch.sweep import CHUNK_EVENTS, sweep
+from batch.sweep import sweep
 from core.clock import SYSTEM_CLOCK
 from flows.progress import RunProgress
 from flows.workspace import (

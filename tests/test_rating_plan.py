@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from batch.carry import CarryOutOfRange, PriceTerms
 from batch.rating_plan import PlannedPrice, RatingPlan, amounts_sql, described_sql, priced_sql
-from batch.sweep import slot_lines
+from batch.run_writer import slot_lines
 from pipelines.catalog import load_catalog
 from pipelines.pricing import PriceRow, price_line
 from pipelines.rating import EventFacts, evaluate, parse_policy

@@ -434,12 +434,12 @@ def test_a_day_deferred_under_a_policy_the_catalog_dropped_waits_and_is_named(
 def test_a_sweep_writes_narrow_lines_that_read_like_every_other_rating(lake: Any, monkeypatch: Any,
                                                                      kinds: str) -> None:
     # 700 + 700 input tokens at 150 per 1000 (floor) in occurred_at order: 0 then 150.
-    import batch.sweep as sweep_module
+    import batch.run_writer as run_writer_module
 
     if kinds == "distinct pairs":  # as for a catalog of many realms
-        monkeypatch.setattr(sweep_module, "_DENSE_KINDS", 0)
+        monkeypatch.setattr(run_writer_module, "_DENSE_KINDS", 0)
     if kinds == "inserted":  # a lake whose catalog does not name the table's folder
-        monkeypatch.setattr(sweep_module, "table_folder", lambda conn, table: None)
+        monkeypatch.setattr(run_writer_module, "table_folder", lambda conn, table: None)
     data_dir, feed, conn = lake
     plan = apply_catalog(data_dir, catalog_toml(
         policies=policy("llm", ("v1", "2026-01-01T00:00:00Z", LLM_V1)), prices=PRICES))
@@ -488,24 +488,27 @@ def test_a_sweep_of_many_chunks_carries_each_account_whole(lake: Any, monkeypatc
     # Rated events wait between the scan and their runs in memory; past the memory budget
     # they are rated in passes over ranges of accounts that fit, and an account too big
     # for memory waits in Parquet files. Each account's lines land in one run every way.
+    # The stages and the memory estimate are patched where the sweep looks them up (its own
+    # namespace: it imports them from batch.staging).
+    import batch.staging as staging_module
     import batch.sweep as sweep_module
 
     data_dir, feed, conn = lake
     plan = apply_catalog(data_dir, catalog_toml(
         policies=policy("llm", ("v1", "2026-01-01T00:00:00Z", LLM_V1)), prices=PRICES))
     stages: list[str] = []
-    for name in ("_memory_stage", "_parquet_stage"):
+    for name in ("memory_stage", "parquet_stage"):
         def counted(*args: Any, name: str = name, real: Any = getattr(sweep_module, name)) -> Any:  # noqa: B008 (binds this name's function)
             stages.append(name)
             return real(*args)
         monkeypatch.setattr(sweep_module, name, counted)
-    width = sweep_module._stage_width
+    width = staging_module.stage_width
     if stage == "passes":
         # A budget of 10 events (each account has 4).
-        monkeypatch.setattr(sweep_module, "_stage_width", lambda *args: 100.0)
-        monkeypatch.setattr(sweep_module, "_memory_limit", lambda conn: 100 * 10 * 4 // 3 + 4)
+        monkeypatch.setattr(sweep_module, "stage_width", lambda *args: 100.0)
+        monkeypatch.setattr(sweep_module, "memory_limit", lambda conn: 100 * 10 * 4 // 3 + 4)
     if stage == "parquet":
-        monkeypatch.setattr(sweep_module, "_stage_width", lambda *args: 10.0 ** 12)
+        monkeypatch.setattr(sweep_module, "stage_width", lambda *args: 10.0 ** 12)
     accounts = [f"acct_{n}" for n in range(6)]
     feed.add(*(llm(account, f"2026-11-01T00:00:0{i}Z", 600) for account in accounts for i in range(4)))
     # The stage's estimate counts the realm's and the account's text.
@@ -522,8 +525,8 @@ def test_a_sweep_of_many_chunks_carries_each_account_whole(lake: Any, monkeypatc
     assert got == [(account, [0, 150, 0, 150], 1) for account in accounts]
     assert spill.is_dir() and not list(spill.iterdir())  # the stage is gone
     if stage == "memory":
-        assert stages == ["_memory_stage"]
+        assert stages == ["memory_stage"]
     elif stage == "passes":  # of at most 10 events: 2 accounts each
-        assert len(stages) >= 3 and set(stages) == {"_memory_stage"}
+        assert len(stages) >= 3 and set(stages) == {"memory_stage"}
     else:
-        assert set(stages) == {"_parquet_stage"}
+        assert set(stages) == {"parquet_stage"}

@@ -6,11 +6,12 @@ this state, and its rows are staged into the same group transaction. That makes 
 serializable per account without locks: concurrent authorizes can never hold more than is
 available, because the second one sees the first one's hold.
 
-Limits, in the contract's order: quota (quantity per window), budget (xusd per window),
-funding (prepaid accounts: grants in force + credit limit - committed - held). A hold is the
-estimate (quantity against quotas, its price at authorize time against budgets and funding);
-commit releases it and books the actual quantity and amount on the day of the commit. Windows
-are UTC calendar days and months.
+Limits, in the contract's order (`writer.gate.checks`): quota (quantity per window), budget
+(xusd per window), funding (prepaid accounts: grants in force + credit limit - committed -
+held). A hold is the estimate (quantity against quotas, its price at authorize time against
+budgets and funding); commit releases it and books the actual quantity and amount on the day
+of the commit. Windows are UTC calendar days and months (`writer.gate.state`). The book's SQL
+is `warehouse.gate_store`.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ import hashlib
 import heapq
 import os
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import date, datetime, timedelta, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import duckdb
@@ -35,7 +36,20 @@ from core.constants import INT64_MAX
 from pipelines.catalog import Budget, Catalog, Feature, Quota, Realm
 from pipelines.events import format_instant
 from pipelines.pricing import PricedLine, PriceRow, price_line, quote
+from warehouse.gate_store import (
+    carried_remainders,
+    committed_totals,
+    idempotency_records,
+    last_seqs,
+    leases_to_keep,
+    record_expired,
+    record_grants,
+    recorded_grants,
+    usage_by_day,
+)
 from warehouse.writer import Transaction
+from writer.gate.checks import CHECKS, Ask
+from writer.gate.state import Holds, Lease, Tally
 from writer.ops import AuthorizeOp, CancelOp, CommitOp, GateOutcome, IdemKey, RecordOutcomeOp
 
 __all__ = ["GateBook", "token_digest"]
@@ -43,8 +57,6 @@ __all__ = ["GateBook", "token_digest"]
 _encode = msgspec.json.encode
 IDEMPOTENCY_TTL = timedelta(hours=24)
 ENDED_LEASE_MEMORY = timedelta(days=7)
-# A success hints at low headroom below a fifth of the limit (integers: no float near money).
-LOW_HEADROOM_DIVISOR = 5
 
 
 class _Randomness:
@@ -75,85 +87,6 @@ def _lease_token() -> str:
 
 def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
-
-
-def _window_start(window: str, today: date) -> date:
-    return today if window == "day" else today.replace(day=1)
-
-
-@dataclass(slots=True)
-class Lease:
-    lease_id: str
-    token_sha: str
-    realm: str
-    principal_id: str
-    account: str
-    feature_code: str
-    family: str
-    held_qty: int
-    held_xusd: int
-    created_at: datetime
-    expires_at: datetime
-    state: str = "active"
-    ended_at: datetime | None = None
-    commit_body: bytes | None = None
-    commit_outcome: GateOutcome | None = None
-
-
-class Tally:
-    """Quantity and amount per (realm, scope, scope id) and (feature, UTC day)."""
-
-    def __init__(self) -> None:
-        self.cells: dict[tuple[str, str, str], dict[tuple[str, date], list[int]]] = defaultdict(dict)
-
-    def add(self, realm: str, account: str, principal: str, feature: str, day: date,
-            qty: int, xusd: int) -> None:
-        for scope, sid in (("account", account), ("principal", principal)):
-            cell = self.cells[(realm, scope, sid)].setdefault((feature, day), [0, 0])
-            cell[0] += qty
-            cell[1] += xusd
-
-    def window(self, realm: str, scope: str, sid: str, window: str, today: date,
-               features: Iterable[str] | None) -> tuple[int, int]:
-        start = _window_start(window, today)
-        wanted = None if features is None else set(features)
-        qty = xusd = 0
-        for (feature, day), (q, x) in self.cells.get((realm, scope, sid), {}).items():
-            if start <= day <= today and (wanted is None or feature in wanted):
-                qty += q
-                xusd += x
-        return qty, xusd
-
-    def forget_before(self, first_day: date) -> None:
-        for cells in self.cells.values():
-            for key in [k for k in cells if k[1] < first_day]:
-                del cells[key]
-
-
-class Holds:
-    """What active leases hold, per (realm, scope, scope id) and feature, plus funding."""
-
-    def __init__(self) -> None:
-        self.cells: dict[tuple[str, str, str], dict[str, list[int]]] = defaultdict(dict)
-        self.funding: dict[tuple[str, str], int] = defaultdict(int)
-
-    def change(self, lease: Lease, sign: int) -> None:
-        for scope, sid in (("account", lease.account), ("principal", lease.principal_id)):
-            cell = self.cells[(lease.realm, scope, sid)].setdefault(lease.feature_code, [0, 0])
-            cell[0] += sign * lease.held_qty
-            cell[1] += sign * lease.held_xusd
-        self.funding[(lease.realm, lease.account)] += sign * lease.held_xusd
-
-    def held(self, realm: str, scope: str, sid: str, features: Iterable[str] | None) -> tuple[int, int]:
-        cells = self.cells.get((realm, scope, sid), {})
-        wanted = cells.keys() if features is None else features
-        qty = xusd = 0
-        for feature in wanted:
-            cell = cells.get(feature)
-            if cell:
-                qty += cell[0]
-                xusd += cell[1]
-        return qty, xusd
 
 
 @dataclass(slots=True)
@@ -196,15 +129,6 @@ def _fingerprint(row: PriceRow) -> str:
 
 def _error(status: int, code: str, message: str, **extra: Any) -> GateOutcome:
     return GateOutcome(status=status, code=code, message=message, **extra)
-
-
-
-
-def _hint_amount(xusd: int) -> int:
-    """An amount for a hint, within signed 64-bit. A shortfall grows with an account's debt,
-    which commits may push past any bound; an outcome travels from the writer as msgpack,
-    which cannot carry an integer beyond 2^64-1 (the writer would die sending the reply)."""
-    return min(xusd, INT64_MAX)
 
 
 def _price_lines(prices: PriceIndex, lines: list[tuple[str, int]], now: datetime,
@@ -251,20 +175,7 @@ class GateBook:
         self.carry: dict[tuple[str, str, str, str], int] = {}
         self.idempotency: dict[tuple[str, str, str, str], tuple[str, GateOutcome, datetime]] = {}
         since = now - ENDED_LEASE_MEMORY
-        rows = conn.execute(
-            """
-            SELECT l.lease_id, l.token_sha256, l.realm, l.principal_id, l.billing_account_id,
-                   l.feature_code, coalesce(l.feature_family_code, ''), l.held_quantity_minor,
-                   l.held_amount_xusd, l.created_at, l.expires_at,
-                   CASE WHEN c.lease_id IS NOT NULL THEN 'committed' ELSE t.state END,
-                   coalesce(c.committed_at, t.happened_at), c.body_json, c.reply_json
-            FROM leases l
-            LEFT JOIN (SELECT lease_id, arg_max(state, happened_at) AS state, max(happened_at) AS happened_at
-                       FROM lease_transitions GROUP BY lease_id) t USING (lease_id)
-            LEFT JOIN commits c USING (lease_id)
-            WHERE (c.lease_id IS NULL AND t.state IS NULL)
-               OR coalesce(c.committed_at, t.happened_at) >= ?
-            """, [since]).fetchall()
+        rows = leases_to_keep(conn, since)
         for (lease_id, sha, realm, principal, account, feature, family, qty, xusd, created, expires,
              state, ended, body, reply) in rows:
             lease = Lease(lease_id, sha, realm, principal, account, feature, family, qty, xusd,
@@ -277,37 +188,20 @@ class GateBook:
                 self.holds.change(lease, +1)
                 heapq.heappush(self.expiry, (expires, sha))
         month_start = datetime(now.year, now.month, 1, tzinfo=timezone.utc)
-        for realm, account, principal, feature, day, qty, xusd in conn.execute(
-            """
-            SELECT realm, billing_account_id, principal_id, feature_code, CAST(committed_at AS DATE),
-                   sum(quantity_minor), sum(amount_xusd)
-            FROM commits WHERE committed_at >= ? GROUP BY ALL
-            """, [month_start]).fetchall():
+        for realm, account, principal, feature, day, qty, xusd in usage_by_day(conn, month_start):
             self.tally.add(realm, account, principal, feature, day, int(qty), int(xusd))
-        for realm, account, total in conn.execute(
-                "SELECT realm, billing_account_id, sum(amount_xusd) FROM commits GROUP BY ALL").fetchall():
+        for realm, account, total in committed_totals(conn):
             self.committed[(realm, account)] = int(total)
-        for realm, account, gid, amount, eff in conn.execute(
-                "SELECT realm, billing_account_id, grant_id, amount_xusd, effective_at FROM grants").fetchall():
+        for realm, account, gid, amount, eff in recorded_grants(conn):
             self.grants[(realm, account)].append((eff, amount))
             self.grant_ids.add((realm, gid))
-        for realm, account, meter, fingerprint, remainder in conn.execute(
-            """
-            SELECT realm, billing_account_id, meter_code, pricing_fingerprint, arg_max(remainder_after, seq)
-            FROM commit_lines WHERE pricing_fingerprint IS NOT NULL GROUP BY ALL
-            """).fetchall():
+        for realm, account, meter, fingerprint, remainder in carried_remainders(conn):
             self.carry[(realm, account, meter, fingerprint)] = int(remainder)
-        for realm, principal, endpoint, key, sha, reply, stored_at in conn.execute(
-            """
-            SELECT realm, principal_id, endpoint, idem_key, body_sha256, reply, stored_at
-            FROM idempotency WHERE stored_at >= ?
-            """, [now - IDEMPOTENCY_TTL]).fetchall():
+        for realm, principal, endpoint, key, sha, reply, stored_at in idempotency_records(
+                conn, now - IDEMPOTENCY_TTL):
             outcome = msgspec.msgpack.decode(reply, type=GateOutcome)
             self.idempotency[(realm, principal, endpoint, key)] = (sha, outcome, stored_at)
-        row = conn.execute("SELECT coalesce(max(seq), 0) FROM commit_lines").fetchone()
-        self.line_seq = int(row[0]) if row else 0
-        row = conn.execute("SELECT coalesce(max(seq), 0) FROM commits").fetchone()
-        self.commit_seq = int(row[0]) if row else 0
+        self.line_seq, self.commit_seq = last_seqs(conn)
         self.sync_grants(conn)
 
     def sync_grants(self, conn: duckdb.DuckDBPyConnection) -> None:
@@ -323,13 +217,7 @@ class GateBook:
                     new.append((realm.id, account.id, grant.id, grant.amount_xusd, grant.effective_at, now))
         if not new:
             return
-        conn.execute("BEGIN")
-        try:
-            conn.executemany("INSERT INTO grants VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING", new)
-            conn.execute("COMMIT")
-        except duckdb.Error:
-            conn.execute("ROLLBACK")
-            raise
+        record_grants(conn, new)
         for realm_id, account_id, gid, amount, eff, _ in new:
             self.grants[(realm_id, account_id)].append((eff, amount))
             self.grant_ids.add((realm_id, gid))
@@ -386,56 +274,19 @@ class GateBook:
         if account is None:
             return _error(422, "RESOURCE.NOT_FOUND", f"unknown billing account {op.billing_account_id!r}")
         now = tx.now
-        today = now.date()
         estimate = op.estimated_quantity_minor
         row = self._prices(realm).at(feature.primary_meter, now)
         cost = quote(row, estimate) if row is not None else 0
-        hints: list[dict[str, Any]] = []
-
         quotas = self._quotas(realm, feature, account.id)
         budgets = self._budgets(realm, feature, account.id)
-        for q in quotas:
-            sid = op.principal_id if q.scope == "principal" else account.id
-            used, _ = self.tally.window(realm.id, q.scope, sid, q.window, today, (feature.code,))
-            held, _ = self.holds.held(realm.id, q.scope, sid, (feature.code,))
-            remaining = q.limit_minor - used - held
-            if estimate > remaining:
-                return _error(402, "QUOTA.EXHAUSTED",
-                              f"quota {q.quota_id} ({q.window}) has {max(0, remaining)} left, "
-                              f"{estimate} asked",
-                              hints=[{"type": "quota.remaining", "max_quantity_minor": max(0, remaining)}])
-            after = remaining - estimate
-            if after * LOW_HEADROOM_DIVISOR < q.limit_minor:
-                hints.append({"type": "quota.remaining", "max_quantity_minor": after})
-
-        for b in budgets:
-            sid = op.principal_id if b.scope == "principal" else account.id
-            _, spent = self.tally.window(realm.id, b.scope, sid, b.window, today, b.features)
-            _, held = self.holds.held(realm.id, b.scope, sid, b.features)
-            shortfall = spent + held + cost - b.limit_xusd
-            if shortfall > 0:
-                return _error(402, "BUDGET.EXHAUSTED", f"budget {b.id} ({b.window}) would be exceeded",
-                              hints=[{"type": "budget.shortfall", "budget_id": b.id,
-                                      "shortfall_xusd": _hint_amount(shortfall)}])
-            headroom = -shortfall
-            if headroom * LOW_HEADROOM_DIVISOR < b.limit_xusd:
-                hints.append({"type": "budget.low_headroom", "budget_id": b.id, "headroom_xusd": headroom})
-
-        if account.funding == "prepaid":
-            available = (self.balance(realm.id, account.id, now) + account.credit_limit_xusd
-                         - self.holds.funding.get((realm.id, account.id), 0))
-            if cost > available:
-                return _error(402, "FUNDING.INSUFFICIENT", "the account's balance does not cover the estimate",
-                              hints=[{"type": "funding.xusd_shortfall",
-                                      "shortfall_xusd": _hint_amount(cost - available)}])
-
-        # Checked after the limits, whose refusals come first in the contract's order: only a
-        # hold this call would keep must fit the ledger's BIGINT.
-        if cost > INT64_MAX:
-            return _error(422, "VALIDATION.INVALID_INPUT",
-                          f"the estimate's price is beyond what the ledger holds ({INT64_MAX} xusd)",
-                          errors=[{"field": "estimated_quantity_minor", "code": "VALIDATION.INVALID_VALUE",
-                                   "message": "priced, this estimate exceeds 2^63-1 xusd"}])
+        ask = Ask(realm=realm, feature=feature, account=account, principal_id=op.principal_id,
+                  estimate=estimate, cost=cost, now=now, today=now.date(), quotas=quotas,
+                  budgets=budgets)
+        hints: list[dict[str, Any]] = []
+        for check in CHECKS:
+            refused = check(self, ask, hints)
+            if refused is not None:
+                return refused
 
         token = _lease_token()
         sha = token_digest(token)
@@ -623,13 +474,9 @@ class GateBook:
                 due.append(lease)
         if not due:
             return 0
-        conn.execute("BEGIN")
         try:
-            conn.executemany("INSERT INTO lease_transitions VALUES (?, 'expired', ?, NULL)",
-                             [(lease.lease_id, lease.expires_at) for lease in due])
-            conn.execute("COMMIT")
+            record_expired(conn, [(lease.lease_id, lease.expires_at) for lease in due])
         except duckdb.Error:
-            conn.execute("ROLLBACK")
             for lease in due:
                 heapq.heappush(self.expiry, (lease.expires_at, lease.token_sha))
             raise
