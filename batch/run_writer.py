@@ -97,7 +97,8 @@ class RunWriter:
     def _line_ids(self, line_key: np.ndarray, price_key: np.ndarray) -> np.ndarray:
         pair = line_key * self.width + price_key + 1
         if self.kind_table is not None:
-            return self.kind_table[pair]
+            ids: np.ndarray = self.kind_table[pair]
+            return ids
         distinct, where = np.unique(pair, return_inverse=True)
         return np.array([self.kind_ids.get(int(k), 0) for k in distinct], dtype=np.int64)[where]
 
