@@ -31,10 +31,11 @@ Every `{payload: ...}` and `{label: ...}` the policies read is extracted once pe
 them), and the compiled expressions read those columns instead; the integer and number
 coercions of a path get a fast path for a JSON integer. The DSL's SQL otherwise parses the
 document and runs its regular expressions again at every reference, which made parsing, not
-rating, the cost of a sweep. These rewrites are exact text replacements of what
-`compile_sql` emits (taken from its own output for a probe policy), so a change there can
-only make this slower, never different; `tests/test_rating_plan.py` holds the result to
-`pipelines.rating.evaluate` and `pipelines.pricing.price_line` on random events.
+rating, the cost of a sweep. The policies are compiled with a reader of this module's
+(`_HoistingReader`, the compiler's `Reader` hook) that allocates a column for each path as
+it is read and gives the coercions their fast path; `tests/test_rating_plan.py` holds the
+result to `pipelines.rating.evaluate` and `pipelines.pricing.price_line` on random events,
+and the benchmark's catalog to reading each path once.
 
 Prices. `priced_sql(lines)` joins each rated line to the price row of its (realm, meter) in
 force at its `occurred_at` (an interval join), and `amounts_sql(priced)` charges
@@ -49,7 +50,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -57,7 +57,18 @@ from datetime import datetime, timezone
 import duckdb
 
 from pipelines.catalog import Catalog
-from pipelines.rating import PolicyDoc, compile_intents, compile_match, parse_policy
+from pipelines.rating import (
+    INLINE,
+    JsonColumn,
+    JsonPath,
+    PolicyDoc,
+    SqlValue,
+    compile_intents,
+    compile_match,
+    json_path_sql,
+    parse_policy,
+)
+from pipelines.rating.tree import EventField
 
 __all__ = [
     "LINE_CATALOG",
@@ -85,9 +96,6 @@ _NO_POLICY = -1
 _SEVERAL = -2
 SKIPPED_LINE = 0  # the line key of `skipped_no_policy`
 
-_LITERAL = re.compile(r"'(?:[^']|'')*'")
-# The two reads `compile_sql` emits for a value at a path of the payload or the labels.
-_JSON_READ = re.compile(r"(json_type|json_extract_string)\((payload|labels), $")
 _FAR_FUTURE = "TIMESTAMPTZ 'infinity'"
 
 
@@ -167,148 +175,53 @@ def priced_line_id(spec: LineSpec, price: PlannedPrice | None) -> int:
 
 
 # ---- reading the JSON once ------------------------------------------------------------------
-def _strip(text: str, prefix: str, suffix: str) -> str | None:
-    if text.startswith(prefix) and text.endswith(suffix):
-        return text[len(prefix):len(text) - len(suffix)]
-    return None
-
-
-def _renumber(template: str, index: int) -> str:
-    return re.sub(r"\b_([kt])0\b", lambda m: f"_{m.group(1)}{index}", template)
-
-
-def _coercion_templates() -> tuple[str | None, str | None]:
-    """The integer and number coercions `compile_sql` emits for a value read at hoisted path 0
-    (`_k0`/`_t0`), taken from its own output for a probe policy. None when that output no
-    longer has the expected shape: then nothing is substituted (slower, never wrong)."""
-    probe = parse_policy({
-        "dsl_version": "v1", "engine": "single",
-        "match": {"event_type": "probe", "where": {"gt": [{"payload": "a"}, {"payload": "b"}]}},
-        "emit": {"intents": [{"feature_code": "probe", "meters": [
-            {"meter_code": "probe", "quantity_minor": {"payload_int": "a"}}]}]},
-    })
-    reads = _JsonReads()
-    match = reads.hoist(compile_match(probe), ())  # a is path 0, b path 1
-    quantity = reads.hoist(compile_intents(probe)[0].meters[0][1], ())
-    integer = _strip(quantity, "greatest(COALESCE(", ", CAST(0 AS BIGINT)), 0)")
-    compared = _strip(match, "(event_type = 'probe' AND COALESCE(", ", FALSE))")
-    number = None
-    if compared is not None:
-        left, _, right = compared.partition(" > ")
-        number = left if right == _renumber(left, 1) and "_k0" in left else None
-    return (integer if integer and "_t0" in integer else None), number
-
-
-_TEMPLATES: list[tuple[str | None, str | None]] = []
-
-
-def _templates() -> tuple[str | None, str | None]:
-    if not _TEMPLATES:
-        _TEMPLATES.append(_coercion_templates())
-    return _TEMPLATES[0]
+# The text yyjson writes for a BIGINT or UBIGINT value (whatever the payload spelled), when it
+# has at most 18 characters: then it always fits BIGINT, and the integer and number coercions
+# would find exactly these digits with their regexes.
+_JSON_INTEGER = sql_text("-?[0-9]{1,18}")
 
 
 @dataclass
 class _JsonReads:
-    """The payload and label paths the compiled SQL reads, each extracted once per event, and
-    the event types that read each path (other events skip the work)."""
+    """The payload and label paths a plan's compiled SQL reads, each extracted once per event
+    into a column `_j{i}` holding the JSON text of its value (NULL when missing), with the
+    event types that read each path (other events skip the work), and the event fields read.
 
-    paths: dict[tuple[str, str], int] = field(default_factory=dict)
+    `reader(event_type)` is the `Reader` that compiles the policies of an event type against
+    those columns, allocating one the first time a path is read; once every policy is
+    compiled, `layers()` computes them."""
+
+    paths: dict[tuple[JsonColumn, JsonPath], int] = field(default_factory=dict)
     readers: dict[int, set[str]] = field(default_factory=dict)
+    fields: set[EventField] = field(default_factory=set)
 
-    def rewrite(self, sql: str, event_types: Iterable[str]) -> str:
-        """`sql` reading the hoisted columns: its JSON reads, then its coercions."""
-        return self.coerce(self.hoist(sql, event_types), _templates())
+    def reader(self, event_type: str) -> _HoistingReader:
+        return _HoistingReader(self, event_type)
 
-    def hoist(self, sql: str, event_types: Iterable[str]) -> str:
-        """Replace every `json_type(col, path)` / `json_extract_string(col, path)` of `sql`
-        by the column holding its value. String literals are lexed, so text inside one is
-        never touched; a path written with chr(0) is left as it was."""
-        types = set(event_types)
-        out: list[str] = []
-        pos = 0
-        for literal in _LITERAL.finditer(sql):
-            code = sql[pos:literal.start()]
-            read = _JSON_READ.search(code)
-            if read is not None and sql.startswith(")", literal.end()):
-                function, column = read.group(1), read.group(2)
-                index = self.paths.setdefault((column, literal.group(0)), len(self.paths))
-                self.readers.setdefault(index, set()).update(types)
-                out.append(code[:read.start()])
-                out.append(f"_k{index}" if function == "json_type" else f"_t{index}")
-                pos = literal.end() + 1
-            else:
-                out.append(sql[pos:literal.end()])
-                pos = literal.end()
-        out.append(sql[pos:])
-        return "".join(out)
+    def leaf(self, column: JsonColumn, path: JsonPath, event_type: str) -> str:
+        """The column holding the JSON text of `path` of `column`, read for `event_type`."""
+        index = self.paths.setdefault((column, path), len(self.paths))
+        self.readers.setdefault(index, set()).add(event_type)
+        return f"_j{index}"
 
-    def coerce(self, sql: str, templates: tuple[str | None, str | None]) -> str:
-        """Give each path's integer and number coercion in `sql` a fast path for a JSON integer,
-        whose text is already the canonical digits both would find with their regexes."""
-        integer, number = templates
-        for index in range(len(self.paths)):
-            for template, cast in ((integer, "BIGINT"), (number, "DOUBLE")):
-                if template is None:
-                    continue
-                text = _renumber(template, index)
-                if text in sql:
-                    # yyjson calls a non-negative integer UBIGINT; at most 18 characters
-                    # always fit BIGINT, beyond that the template saturates as it should.
-                    sql = sql.replace(text, f"(CASE WHEN _k{index} IN ('BIGINT', 'UBIGINT')"
-                                            f" AND length(_t{index}) <= 18"
-                                            f" THEN CAST(_t{index} AS {cast}) ELSE {text} END)")
-        return sql
-
-    def _trees(self) -> Iterator[tuple[str, list[tuple[int, str]], dict[str, object],
+    def _trees(self) -> Iterator[tuple[JsonColumn, list[tuple[int, JsonPath]], dict[str, object],
                                        dict[int, list[str]], set[int]]]:
         """Per column read: (column, its (index, path)s, json_transform structure, keys of
         each path read from it, paths read otherwise); see `layers`."""
-        for column in ("payload", "labels"):
+        columns: tuple[JsonColumn, ...] = ("payload", "labels")
+        for column in columns:
             mine = sorted((i, path) for (col, path), i in self.paths.items() if col == column)
             if mine:
-                yield (column, mine,
-                       *_object_tree([(i, _json_path_parts(path)) for i, path in mine]))
-
-    def finish(self, sql: str) -> str:
-        """`sql` (rewritten) reading the paths of a `json_transform` tree from their leaf's
-        JSON text `_j{i}`: a JSON integer of up to 18 characters (the text yyjson writes for
-        a BIGINT or UBIGINT value, whatever the payload spelled) is cast straight from it;
-        any other value goes through the coercion with `json_type` / `json_extract_string`
-        of the leaf, computed for that value only (for every event, both cost the sweep's
-        query more than all of its JSON parsing)."""
-        leaves = [i for *_, found, _ in self._trees() for i in found]
-        if not leaves:
-            return sql
-        # The fast paths `coerce` wrote (quoted as they are, no string literal holds them).
-        for i in leaves:
-            for cast in ("BIGINT", "DOUBLE"):
-                sql = sql.replace(
-                    f"CASE WHEN _k{i} IN ('BIGINT', 'UBIGINT') AND length(_t{i}) <= 18"
-                    f" THEN CAST(_t{i} AS {cast})",
-                    f"CASE WHEN regexp_full_match(_j{i}, '-?[0-9]{{1,18}}') THEN CAST(_j{i} AS {cast})")
-        out: list[str] = []
-        pos = 0
-        for literal in [*_LITERAL.finditer(sql), None]:
-            end = len(sql) if literal is None else literal.start()
-            code = sql[pos:end]
-            for i in leaves:
-                code = re.sub(rf"\b_k{i}\b", f"json_type(_j{i})", code)
-                code = re.sub(rf"\b_t{i}\b", f"json_extract_string(_j{i}, '$')", code)
-            out.append(code)
-            if literal is not None:
-                out.append(literal.group(0))
-                pos = literal.end()
-        return "".join(out)
+                yield (column, mine, *_object_tree(mine))
 
     def layers(self) -> list[str]:
-        """The select lists that add the hoisted columns, innermost first.
+        """The select lists that add the `_j{i}` columns, innermost first.
 
         Paths of object keys only are read with one `json_transform` into a struct of JSON
-        leaves (one parse, the cheapest read measured here), each leaf's JSON text as
-        `_j{i}` (see `finish`); a path with an array index, a key that is also a leaf's
-        parent, or keys equal but for case (struct fields are matched without case) is
-        read with `json_type` / `json_extract_string` over a list, as `_k{i}` / `_t{i}`."""
+        leaves (one parse, the cheapest read measured here); a path with an array index, a
+        key that is also a leaf's parent, keys equal but for case (struct fields are matched
+        without case) or a key with NUL (which a field name in SQL text cannot hold) is read
+        with one `json_extract` over a list of paths."""
         extract: list[str] = []
         reads: list[str] = []
         for column, mine, tree, leaves, listed in self._trees():
@@ -324,47 +237,55 @@ class _JsonReads:
                     leaf = f"_{column}_tree" + "".join(_field(k) for k in keys)
                     reads.append(f"CAST({leaf} AS VARCHAR) AS _j{i}")
             if listed:
-                paths = ", ".join(path for i, path in mine if i in listed)
-                extract.append(
-                    f"CASE WHEN {guard} THEN json_type({column}, [{paths}]) END AS _{column}_kinds,"
-                    f" CASE WHEN {guard} THEN json_extract_string({column}, [{paths}]) END"
-                    f" AS _{column}_texts")
+                paths = ", ".join(json_path_sql(path) for i, path in mine if i in listed)
+                extract.append(f"CASE WHEN {guard} THEN CAST(json_extract({column}, [{paths}])"
+                               f" AS VARCHAR[]) END AS _{column}_leaves")
                 for position, i in enumerate(sorted(listed), start=1):
-                    reads.append(f"_{column}_kinds[{position}] AS _k{i},"
-                                 f" _{column}_texts[{position}] AS _t{i}")
+                    reads.append(f"_{column}_leaves[{position}] AS _j{i}")
         return [", ".join(part) for part in (extract, reads) if part]
 
 
-_PATH_PART = re.compile(r'\."((?:[^"\\]|\\.)*)"|\[([0-9]+)\]')
+@dataclass(frozen=True, slots=True)
+class _HoistingReader:
+    """The `Reader` of the rating plan: the policies of `event_type` read each payload or
+    label path from its `_j{i}` column of `reads`.
+
+    A JSON integer of up to 18 characters is cast straight from that text; `json_type` /
+    `json_extract_string` of it (the coercion rules' inputs) run only for other values,
+    inline in the CASE's other branch: computed for every path of every event they had cost
+    the sweep's query more than all of its JSON parsing."""
+
+    reads: _JsonReads
+    event_type: str
+
+    def json(self, column: JsonColumn, path: JsonPath) -> SqlValue:
+        leaf = self.reads.leaf(column, path, self.event_type)
+        return SqlValue(f"NULLIF(json_type({leaf}), 'NULL')", f"json_extract_string({leaf}, '$')")
+
+    def field(self, name: EventField) -> SqlValue:
+        self.reads.fields.add(name)
+        return INLINE.field(name)
+
+    def integer(self, column: JsonColumn, path: JsonPath, coerced: str) -> str:
+        return self._integer_first(column, path, coerced, "BIGINT")
+
+    def number(self, column: JsonColumn, path: JsonPath, coerced: str) -> str:
+        return self._integer_first(column, path, coerced, "DOUBLE")
+
+    def _integer_first(self, column: JsonColumn, path: JsonPath, coerced: str, cast: str) -> str:
+        leaf = self.reads.leaf(column, path, self.event_type)
+        return (f"(CASE WHEN regexp_full_match({leaf}, {_JSON_INTEGER}) THEN CAST({leaf} AS {cast})"
+                f" ELSE {coerced} END)")
 
 
-def _json_path_parts(literal: str) -> list[str | int] | None:
-    """The parts of a JSON path literal as `compile_sql` writes it ('$."a"[0]'), or None."""
-    text = literal[1:-1].replace("''", "'")
-    if not text.startswith("$"):
-        return None
-    parts: list[str | int] = []
-    pos = 1
-    while pos < len(text):
-        found = _PATH_PART.match(text, pos)
-        if found is None:
-            return None
-        if found.group(2) is not None:
-            parts.append(int(found.group(2)))
-        else:
-            parts.append(re.sub(r"\\(.)", r"\1", found.group(1)))
-        pos = found.end()
-    return parts
-
-
-def _object_tree(paths: list[tuple[int, list[str | int] | None]]
+def _object_tree(paths: list[tuple[int, JsonPath]]
                  ) -> tuple[dict[str, object], dict[int, list[str]], set[int]]:
     """(json_transform structure, keys of each path read from it, paths read otherwise)."""
     tree: dict[str, object] = {}
     leaves: dict[int, list[str]] = {}
     listed: set[int] = set()
-    for index, parts in sorted(paths, key=lambda item: len(item[1] or ())):
-        if not parts or not all(isinstance(part, str) for part in parts):
+    for index, parts in sorted(paths, key=lambda item: len(item[1])):
+        if not parts or not all(isinstance(part, str) and "\x00" not in part for part in parts):
             listed.add(index)
             continue
         keys = [str(part) for part in parts]
@@ -554,8 +475,8 @@ class RatingPlan:
         types = {v.document.match.event_type for v in versions}
         branches = []
         for version in sorted(versions, key=lambda v: v.effective_at, reverse=True):
-            match = reads.rewrite(compile_match(version.document, self.params),
-                                  [version.document.match.event_type])
+            match = compile_match(version.document, self.params,
+                                  reads.reader(version.document.match.event_type))
             branches.append(f"WHEN occurred_ts >= {sql_instant(version.effective_at)}"
                             f" THEN CASE WHEN {match} THEN {version.key} END")
         return (f"CASE WHEN realm <> {sql_text(realm)} OR NOT ({_type_in(types)}) THEN NULL"
@@ -579,18 +500,19 @@ class RatingPlan:
             return [(str(self._deferred[version.key]), "NULL", "NULL")]
         keys = iter(self._rated[version.key])
         items = []
-        for intent in compile_intents(version.document, self.params):
+        reader = reads.reader(version.document.match.event_type)
+        for intent in compile_intents(version.document, self.params, reader):
             for _, quantity in intent.meters:
-                sql = reads.rewrite(quantity, [version.document.match.event_type])
                 key = next(keys)
-                items.append((str(key), sql, self._price_case(key)))
+                items.append((str(key), quantity, self._price_case(key)))
         return items
 
     def _rated_layer(self, source: str, reads: _JsonReads,
                      items: Callable[[_JsonReads], str]) -> tuple[str, str]:
         """(the innermost layers of a rating query over `source`, up to `_choice`: the key of
-        the one version that matched, `_NO_POLICY` or `_SEVERAL`; `items(reads)`, compiled
-        after the policies' matches so that both share the hoisted reads)."""
+        the one version that matched, `_NO_POLICY` or `_SEVERAL`; `items(reads)`). Both the
+        matches and the items are compiled before the layers are built: the layers extract
+        the paths their reads allocated in `reads`."""
         policies = self.policies()
         names = {key: f"_m{i}" for i, key in enumerate(policies)}
         matched = {key: self._matched(key[0], versions, reads) for key, versions in policies.items()}
@@ -600,12 +522,10 @@ class RatingPlan:
                       f" THEN {_SEVERAL} ELSE coalesce({', '.join(names.values())}) END")
         else:
             choice = str(_NO_POLICY)
-        rated = reads.finish(items(reads))
-        matched = {key: reads.finish(sql) for key, sql in matched.items()}
+        rated = items(reads)
         # The text of occurred_at is computed only when a policy reads {event: occurred_at}:
         # formatting it for every event cost a sixth of a sweep.
-        compiled = _LITERAL.sub("''", " ".join([*matched.values(), rated]))
-        wants_text = re.search(r"\boccurred_at\b", compiled) is not None
+        wants_text = "occurred_at" in reads.fields
         occurred_text = (", strftime(occurred_at AT TIME ZONE 'UTC', '%Y-%m-%dT%H:%M:%S.%fZ')"
                          " AS occurred_at" if wants_text else "")
         layer = (

@@ -5,6 +5,7 @@ quarantine or skip) and the amounts of `pipelines.pricing.price_line` with its c
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator
@@ -205,3 +206,72 @@ def test_amounts_carry_exactly_even_beyond_64_bit_sums(rounding: str, unit: int,
     ).fetchall()]
     conn.close()
     assert got == wanted
+
+
+def _sql_tree(sql: str) -> Any:
+    """DuckDB's own parse of `sql` (its serialized AST), so that the test reads the query's
+    structure, not its text."""
+    conn = duckdb.connect()
+    try:
+        row = conn.execute("SELECT json_serialize_sql(?)", [sql]).fetchone()
+    finally:
+        conn.close()
+    assert row is not None
+    tree = json.loads(row[0])
+    assert not tree["error"], tree
+    return tree
+
+
+def _nodes(node: Any) -> Iterator[dict[str, Any]]:
+    if isinstance(node, dict):
+        yield node
+        for child in node.values():
+            yield from _nodes(child)
+    elif isinstance(node, list):
+        for child in node:
+            yield from _nodes(child)
+
+
+def _leaf_paths(structure: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    paths: list[tuple[str, ...]] = []
+    for key, child in structure.items():
+        paths += [prefix + (key,)] if child == "JSON" else _leaf_paths(child, prefix + (key,))
+    return paths
+
+
+@pytest.mark.parametrize("query", ["slots_sql", "lines_sql"])
+def test_the_benchmark_policies_read_each_payload_path_once_per_event(query: str) -> None:
+    """The sweep's fast path for the benchmark's catalog: the payload is parsed once per
+    event, in the layer that extracts every path the policies read into a column of its own,
+    and the matches and quantities read those columns (an integer cast straight from their
+    text first), never the payload. Reading the payload again at every use is what the
+    rating would cost without it: the same results, several times the parsing."""
+    from bench.rating import PATHS, catalog_text
+
+    plan = RatingPlan.from_catalog(load_catalog(catalog_text()))
+    nodes = list(_nodes(_sql_tree(getattr(plan, query)("events"))))
+    json_calls = [n for n in nodes if n.get("class") == "FUNCTION"
+                  and str(n.get("function_name", "")).startswith("json_")]
+    assert json_calls
+
+    def first_column(call: dict[str, Any]) -> str | None:
+        first = call["children"][0]
+        return first["column_names"][-1] if first.get("class") == "COLUMN_REF" else None
+
+    # One read of the document per event: a json_transform of the payload into one struct
+    # with a leaf for each distinct path, and nothing else reads the payload or the labels.
+    document_reads = [c for c in json_calls if first_column(c) in ("payload", "labels")]
+    assert [(c["function_name"], first_column(c)) for c in document_reads] == [
+        ("json_transform", "payload")]
+    structure = json.loads(document_reads[0]["children"][1]["value"]["value"])
+    wanted = sorted(tuple(path.removeprefix("$.").split(".")) for path in PATHS)
+    assert sorted(_leaf_paths(structure)) == wanted
+    # Each leaf becomes one column, once.
+    hoisted = sorted(n["alias"] for n in nodes if re.fullmatch(r"_j[0-9]+", n.get("alias") or ""))
+    assert len(hoisted) == len(set(hoisted)) == len(PATHS)
+    # The rated expressions read only those columns: every other JSON function's input is one.
+    others = [c for c in json_calls if c not in document_reads]
+    assert others and {first_column(c) for c in others} <= set(hoisted)
+    # And every path's coercion tries the cast from its text first.
+    shortcut = {first_column(n) for n in nodes if n.get("function_name") == "regexp_full_match"}
+    assert set(hoisted) <= shortcut

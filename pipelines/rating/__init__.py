@@ -67,10 +67,17 @@ Aggregate engine (groups: billing_account_id, event_type, UTC day of occurred_at
 from __future__ import annotations
 
 from pipelines.rating.compile_sql import (
+    INLINE,
     CompiledIntent,
+    InlineReader,
+    JsonColumn,
+    JsonPath,
+    Reader,
+    SqlValue,
     compile_aggregate_sql,
     compile_intents,
     compile_match,
+    json_path_sql,
     rate_sql,
 )
 from pipelines.rating.errors import DslError, DslErrors
@@ -79,18 +86,25 @@ from pipelines.rating.parse import bind_params, parse_policy, validate_policy
 from pipelines.rating.tree import PolicyDoc
 
 __all__ = [
+    "INLINE",
     "CompiledIntent",
     "DslError",
     "DslErrors",
     "EventFacts",
+    "InlineReader",
     "Intent",
+    "JsonColumn",
+    "JsonPath",
     "PolicyDoc",
+    "Reader",
+    "SqlValue",
     "bind_params",
     "compile_aggregate_sql",
     "compile_intents",
     "compile_match",
     "evaluate",
     "evaluate_aggregate",
+    "json_path_sql",
     "parse_policy",
     "rate_sql",
     "validate_policy",

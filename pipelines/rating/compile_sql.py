@@ -7,12 +7,21 @@ its text; predicates never yield NULL, so NOT and the connectives stay two-value
 Quantities are BIGINT built in HUGEINT and saturated to signed 64-bit at every step, so no
 arithmetic can overflow or raise. `source` arguments are trusted SQL (a relation name or a
 parenthesised query); everything taken from a document is quoted.
+
+How an event's values are read is the `Reader`'s business: `compile_match` and
+`compile_intents` take one, and call it for every payload or label path and event field a
+policy reads and for every integer or number coercion of a value read from the payload or
+the labels. The default, `INLINE`, reads the JSON where it is used (`json_type` /
+`json_extract_string` of the column at each reference) and coerces as compiled here; a
+caller that reads the paths once per row elsewhere (the batch engine does) passes a reader
+that names those columns and gives the coercions a shortcut, and gets SQL that reads them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Literal, Protocol, TypeAlias
 
 from core.constants import INT64_MAX, INT64_MIN
 from pipelines.rating.parse import bind_params
@@ -25,6 +34,7 @@ from pipelines.rating.tree import (
     Compare,
     Const,
     Div,
+    EventField,
     EventLeaf,
     EventValue,
     Exists,
@@ -46,12 +56,22 @@ from pipelines.rating.tree import (
 )
 
 __all__ = [
+    "INLINE",
     "CompiledIntent",
+    "InlineReader",
+    "JsonColumn",
+    "JsonPath",
+    "Reader",
+    "SqlValue",
     "compile_aggregate_sql",
     "compile_intents",
     "compile_match",
+    "json_path_sql",
     "rate_sql",
 ]
+
+JsonColumn: TypeAlias = Literal["payload", "labels"]
+JsonPath: TypeAlias = tuple[str | int, ...]  # int parts index arrays
 
 _NUMERIC = "'BIGINT', 'UBIGINT', 'DOUBLE'"
 _ORDER_OPS = {"gt": ">", "gte": ">=", "lt": "<", "lte": "<="}
@@ -67,9 +87,73 @@ class CompiledIntent:
 
 
 @dataclass(frozen=True, slots=True)
+class SqlValue:
+    """A value read from an event, as two SQL expressions: its kind (DuckDB's json_type name,
+    NULL when missing or JSON null) and its text (NULL when missing)."""
+
+    kind: str
+    text: str
+
+
+class Reader(Protocol):
+    """How compiled SQL reads an event's values. Whatever it returns must agree on every row
+    with what `InlineReader` returns: the compiled SQL's results may not depend on it."""
+
+    def json(self, column: JsonColumn, path: JsonPath) -> SqlValue:
+        """The value at `path` of `column` (payload or labels, VARCHAR holding JSON text)."""
+        ...
+
+    def field(self, name: EventField) -> SqlValue:
+        """The value of an event column read as `{event: name}`."""
+        ...
+
+    def integer(self, column: JsonColumn, path: JsonPath, coerced: str) -> str:
+        """The integer coercion (BIGINT or NULL) of the value `json(column, path)` read;
+        `coerced` is the general one, over that value's kind and text."""
+        ...
+
+    def number(self, column: JsonColumn, path: JsonPath, coerced: str) -> str:
+        """The ordering coercion (DOUBLE or NULL) of that value; `coerced` is the general one."""
+        ...
+
+
+class InlineReader:
+    """Reads a path where it is used: every reference parses the column's JSON again."""
+
+    def json(self, column: JsonColumn, path: JsonPath) -> SqlValue:
+        json_path = json_path_sql(path)
+        return SqlValue(
+            f"NULLIF(json_type({column}, {json_path}), 'NULL')",
+            f"json_extract_string({column}, {json_path})",
+        )
+
+    def field(self, name: EventField) -> SqlValue:
+        return SqlValue(f"CASE WHEN {name} IS NOT NULL THEN 'VARCHAR' END", name)
+
+    def integer(self, column: JsonColumn, path: JsonPath, coerced: str) -> str:
+        return coerced
+
+    def number(self, column: JsonColumn, path: JsonPath, coerced: str) -> str:
+        return coerced
+
+
+INLINE = InlineReader()
+
+
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """Where a value was read from, so that its coercions go through the reader that read it."""
+
+    reader: Reader
+    column: JsonColumn
+    path: JsonPath
+
+
+@dataclass(frozen=True, slots=True)
 class _SqlValue:
     kind: str
     text: str
+    read: _Read | None = None  # None for literals, params and event fields
 
 
 def _sql_str(text: str) -> str:
@@ -80,7 +164,8 @@ def _sql_str(text: str) -> str:
     return "(" + quoted.replace("\x00", "' || chr(0) || '") + ")"
 
 
-def _json_path(path: tuple[str | int, ...]) -> str:
+def json_path_sql(path: JsonPath) -> str:
+    """The SQL string literal of the JSONPath of `path` ('$."a"[0]')."""
     parts = (
         f"[{part}]"
         if isinstance(part, int)
@@ -98,26 +183,24 @@ def _literal(value: Scalar) -> _SqlValue:
     return _SqlValue("'DOUBLE'", f"'{value!r}'")  # repr round-trips a double exactly
 
 
-def _json_value(column: str, path: tuple[str | int, ...]) -> _SqlValue:
-    json_path = _json_path(path)
-    return _SqlValue(
-        f"NULLIF(json_type({column}, {json_path}), 'NULL')",
-        f"json_extract_string({column}, {json_path})",
-    )
+def _json_value(column: JsonColumn, path: JsonPath, reader: Reader) -> _SqlValue:
+    read = reader.json(column, path)
+    return _SqlValue(read.kind, read.text, _Read(reader, column, path))
 
 
-def _value(node: Value, params: Mapping[str, Scalar]) -> _SqlValue:
+def _value(node: Value, params: Mapping[str, Scalar], reader: Reader) -> _SqlValue:
     match node:
         case LiteralValue(value):
             return _literal(value)
         case ParamValue(name):
             return _literal(params[name])
         case PayloadValue(path):
-            return _json_value("payload", path)
+            return _json_value("payload", path, reader)
         case LabelValue(key):
-            return _json_value("labels", (key,))
+            return _json_value("labels", (key,), reader)
         case EventValue(field):
-            return _SqlValue(f"CASE WHEN {field} IS NOT NULL THEN 'VARCHAR' END", field)
+            read = reader.field(field)
+            return _SqlValue(read.kind, read.text)
 
 
 def _parsed(value: _SqlValue) -> str:
@@ -127,10 +210,12 @@ def _parsed(value: _SqlValue) -> str:
 def _number(value: _SqlValue) -> str:
     """DOUBLE or NULL: the ordering coercion of `evaluate._number`."""
     parsed = _parsed(value)
-    return (
+    coerced = (
         f"CASE WHEN {value.kind} = 'BOOLEAN' THEN CAST({value.text} = 'true' AS DOUBLE)"
         f" WHEN {value.kind} IN ({_NUMERIC}, 'VARCHAR') AND isfinite({parsed}) THEN {parsed} END"
     )
+    read = value.read
+    return coerced if read is None else read.reader.number(read.column, read.path, coerced)
 
 
 def _clamp(hugeint: str) -> str:
@@ -149,12 +234,14 @@ def _integer(value: _SqlValue) -> str:
     parsed = _parsed(value)
     # Doubles are cut to +-1e19 first: exactly representable, and beyond signed 64-bit anyway.
     truncated = _clamp(f"CAST(least(greatest(trunc({parsed}), -1e19), 1e19) AS HUGEINT)")
-    return (
+    coerced = (
         f"CASE WHEN {value.kind} = 'BOOLEAN' THEN CAST({value.text} = 'true' AS BIGINT)"
         f" WHEN {value.kind} IN ({_NUMERIC}, 'VARCHAR') THEN"
         f" CASE WHEN regexp_full_match({value.text}, {_sql_str(INTEGER_PATTERN)}) THEN {exact}"
         f" WHEN isfinite({parsed}) THEN {truncated} END END"
     )
+    read = value.read
+    return coerced if read is None else read.reader.integer(read.column, read.path, coerced)
 
 
 def _equal(left: _SqlValue, right: _SqlValue) -> str:
@@ -166,22 +253,22 @@ def _equal(left: _SqlValue, right: _SqlValue) -> str:
     )
 
 
-def _predicate(node: Predicate, params: Mapping[str, Scalar]) -> str:
+def _predicate(node: Predicate, params: Mapping[str, Scalar], reader: Reader) -> str:
     match node:
         case AllOf(items):
             return (
-                "(" + " AND ".join(_predicate(i, params) for i in items) + ")" if items else "TRUE"
+                "(" + " AND ".join(_predicate(i, params, reader) for i in items) + ")" if items else "TRUE"
             )
         case AnyOf(items):
             return (
-                "(" + " OR ".join(_predicate(i, params) for i in items) + ")" if items else "FALSE"
+                "(" + " OR ".join(_predicate(i, params, reader) for i in items) + ")" if items else "FALSE"
             )
         case Not(item):
-            return f"(NOT {_predicate(item, params)})"
+            return f"(NOT {_predicate(item, params, reader)})"
         case Exists(value):
-            return f"({_value(value, params).kind} IS NOT NULL)"
+            return f"({_value(value, params, reader).kind} IS NOT NULL)"
         case In(value, options):
-            found = _value(value, params)
+            found = _value(value, params, reader)
             # String options are one IN list (exact text equality, as eq's); a list of thousands
             # compiled one equality each took a minute to plan. Other options keep eq's form.
             texts = list(dict.fromkeys(_sql_str(o.value) for o in options if isinstance(o.value, str)))
@@ -190,7 +277,7 @@ def _predicate(node: Predicate, params: Mapping[str, Scalar]) -> str:
                 tests.append(f"COALESCE({found.kind} = 'VARCHAR' AND {found.text} IN ({', '.join(texts)}), FALSE)")
             return "(" + " OR ".join(tests) + ")" if tests else "FALSE"
         case Compare(op, left_node, right_node):
-            left, right = _value(left_node, params), _value(right_node, params)
+            left, right = _value(left_node, params, reader), _value(right_node, params, reader)
             if op in ("eq", "ne"):
                 return _equal(left, right) if op == "eq" else f"(NOT {_equal(left, right)})"
             if op in ("prefix", "contains"):
@@ -254,20 +341,20 @@ def _quantity(node: IntExpr, leaf: Callable[[EventLeaf], str]) -> str:
             return leaf(node)
 
 
-def _leaf(node: EventLeaf, params: Mapping[str, Scalar]) -> str:
+def _leaf(node: EventLeaf, params: Mapping[str, Scalar], reader: Reader) -> str:
     match node:
         case PayloadInt(path, default):
-            return f"COALESCE({_integer(_json_value('payload', path))}, CAST({default} AS BIGINT))"
+            return f"COALESCE({_integer(_json_value('payload', path, reader))}, CAST({default} AS BIGINT))"
         case LabelInt(key, default):
-            return f"COALESCE({_integer(_json_value('labels', (key,)))}, CAST({default} AS BIGINT))"
+            return f"COALESCE({_integer(_json_value('labels', (key,), reader))}, CAST({default} AS BIGINT))"
         case Agg():
-            return _aggregate(node, params)
+            return _aggregate(node, params, reader)
 
 
-def _aggregate(node: Agg, params: Mapping[str, Scalar]) -> str:
+def _aggregate(node: Agg, params: Mapping[str, Scalar], reader: Reader) -> str:
     if node.of is None:
         return "COUNT(*)"
-    value = _value(node.of, params)
+    value = _value(node.of, params, reader)
     if node.op == "count":
         return f"COUNT({value.kind})"
     if node.op == "count_distinct":
@@ -287,23 +374,27 @@ def _aggregate(node: Agg, params: Mapping[str, Scalar]) -> str:
     return _clamp(f"COALESCE({total}, {node.default})")
 
 
-def compile_match(policy: PolicyDoc, params: Mapping[str, object] | None = None) -> str:
-    """A never-NULL boolean SQL expression: the event type and the `where` predicate."""
+def compile_match(
+    policy: PolicyDoc, params: Mapping[str, object] | None = None, reader: Reader = INLINE
+) -> str:
+    """A never-NULL boolean SQL expression: the event type and the `where` predicate, reading
+    the event's values through `reader`."""
     bound = bind_params(policy, params)
     event_type = f"event_type = {_sql_str(policy.match.event_type)}"
     where = policy.match.where
-    return event_type if where is None else f"({event_type} AND {_predicate(where, bound)})"
+    return event_type if where is None else f"({event_type} AND {_predicate(where, bound, reader)})"
 
 
 def compile_intents(
-    policy: PolicyDoc, params: Mapping[str, object] | None = None
+    policy: PolicyDoc, params: Mapping[str, object] | None = None, reader: Reader = INLINE
 ) -> list[CompiledIntent]:
     """Quantity expressions per intent: row-level for the single engine, aggregate functions
-    (to be used under GROUP BY) for the aggregate engine."""
+    (to be used under GROUP BY) for the aggregate engine; the event's values are read through
+    `reader`."""
     bound = bind_params(policy, params)
 
     def compile_quantity(node: IntExpr) -> str:
-        return f"greatest({_quantity(node, lambda leaf: _leaf(leaf, bound))}, 0)"
+        return f"greatest({_quantity(node, lambda leaf: _leaf(leaf, bound, reader))}, 0)"
 
     return [
         CompiledIntent(
