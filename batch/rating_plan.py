@@ -50,13 +50,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 import duckdb
 
-from pipelines.catalog import Catalog
+from pipelines.catalog import Catalog, Price
 from pipelines.rating import (
     INLINE,
     JsonColumn,
@@ -355,7 +355,7 @@ class RatingPlan:
                         policy_index=policy_index, version=version.version,
                         effective_at=version.effective_at,
                         document=parse_policy(version.document)))
-            by_meter: dict[str, list] = {}
+            by_meter: dict[str, list[Price]] = {}
             for price in realm.prices:
                 by_meter.setdefault(price.meter, []).append(price)
             for meter, rows in sorted(by_meter.items()):
@@ -598,7 +598,7 @@ class RatingPlan:
         reads = _JsonReads()
 
         def columns(reads: _JsonReads) -> str:
-            per_slot: list[list[tuple[str, str, str]]] = [[] for _ in range(slots)]
+            per_slot: list[list[tuple[str, str, str, str]]] = [[] for _ in range(slots)]
             for version in self.versions:
                 for j, item in enumerate(self._line_items(version, reads)):
                     per_slot[j].append((str(version.key), *item))
@@ -654,7 +654,7 @@ class RatingPlan:
         )
 
 
-def insert_rows(conn: duckdb.DuckDBPyConnection, table: str, rows: list[tuple[object, ...]],
+def insert_rows(conn: duckdb.DuckDBPyConnection, table: str, rows: Sequence[tuple[object, ...]],
                 columns: str | None = None) -> None:
     """INSERT the rows (into `columns` when given) in statements of up to 200 rows
     (executemany runs one statement a row, a few milliseconds each)."""
