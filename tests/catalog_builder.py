@@ -30,9 +30,9 @@ method does not name are written as keys of their own (`family("llm", color="red
 unknown key `realms.acme.families.llm.color`).
 
 The text holds only what was built, so the text of a builder that adds to what a document
-declares (more prices, more accounts, a grant of its account) can be appended to that
-document: arrays of tables continue the document's arrays. A table declared in both (the same
-account, the realm's settings) makes the sum invalid TOML.
+declares (more prices, more accounts, a grant of its account, a version of its last policy)
+can be appended to that document: arrays of tables continue the document's arrays. A table
+declared in both (the same account, the realm's settings) makes the sum invalid TOML.
 """
 
 from __future__ import annotations
@@ -64,6 +64,11 @@ Dsl: TypeAlias = Mapping[str, Any] | str | Raw
 Version: TypeAlias = tuple[Value, Value, Dsl]
 
 _Table: TypeAlias = dict[str, Any]
+
+
+class _Continued(dict[str, Any]):
+    """An element of an array of tables written without its `[[...]]` header: what it holds
+    belongs to the last element of that array in the document the text is appended to."""
 
 
 class CatalogBuilder:
@@ -168,11 +173,18 @@ class CatalogBuilder:
 
     def version(self, policy_id: Value | None, version: Value | None, effective_at: Value | None,
                 dsl: Dsl | None, **extra: Value) -> Self:
-        """One more version of the realm's last policy with this id."""
-        found = [p for p in self._array("policies") if p.get("id") == policy_id]
-        if not found:
+        """One more version of the realm's last policy with this id. A builder without policies
+        writes it as a version of whichever policy comes last in the document its text is
+        appended to (`policy_id` then only names that one for the reader)."""
+        policies = self._array("policies")
+        found = [p for p in policies if p.get("id") == policy_id]
+        if found:
+            policy = found[-1]
+        elif not policies:
+            policy = _Continued()
+            policies.append(policy)
+        else:
             raise KeyError(f"no policy {policy_id!r} in this realm of the builder")
-        policy = found[-1]
         if isinstance(dsl, Mapping):
             dsl = json.dumps(dsl)
         versions: list[_Table] = policy.setdefault("versions", [])
@@ -253,7 +265,7 @@ def _emit_table(table: Mapping[str, Any], path: tuple[str, ...], sections: list[
             _emit_table(node, sub, sections, f"[{dotted}]" if has_values or not node else None)
         elif _is_table_array(node):
             for item in node:
-                _emit_table(item, sub, sections, f"[[{dotted}]]")
+                _emit_table(item, sub, sections, None if isinstance(item, _Continued) else f"[[{dotted}]]")
 
 
 def _key(key: str) -> str:

@@ -82,6 +82,14 @@ def test_its_text_appends_to_a_document_it_adds_to() -> None:
     before, after = load_catalog(fixture), load_catalog(fixture + "\n" + more)
     assert after.realms["acme"].prices[:-1] == before.realms["acme"].prices
     assert after.realms["acme"].prices[-1].unit_price_xusd == 2500
+    # A version of a policy the builder lacks goes to the document's last policy.
+    last = list(before.realms["acme"].policies)[-1]
+    version = CatalogBuilder().version(last, "v9", "2026-12-01T00:00:00Z", CALLS).toml()
+    assert "[[realms.acme.policies]]" not in version
+    versions = load_catalog(fixture + "\n" + version).realms["acme"].policies[last].versions
+    assert [v.version for v in versions][-1] == "v9"
+    with pytest.raises(KeyError):
+        CatalogBuilder().policy("calls", ("v1", JAN, CALLS)).version("other", "v2", JAN, CALLS)
 
 
 @pytest.mark.parametrize("value", ["plain", 'a "quoted" one', "it's", "it's \"both\" \\",
