@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Self, TypeAlias
 
-__all__ = ["CatalogBuilder", "Dsl", "Raw", "Value", "Version"]
+__all__ = ["CatalogBuilder", "Dsl", "Raw", "Value", "Version", "emit_toml"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +75,7 @@ class CatalogBuilder:
     """A catalog of one or more realms, built by calls and written out by `toml()`."""
 
     def __init__(self, realm: str = "acme") -> None:
+        """`realm` is the first realm and the one calls add to (written even if left empty)."""
         self._realms: dict[str, _Table] = {}
         self._realm = self._realms.setdefault(realm, {})
 
@@ -101,14 +102,14 @@ class CatalogBuilder:
         return self
 
     def account(self, account_id: str, funding: Value | None, *,
-                credit_limit_xusd: int | Value | None = None,
+                credit_limit_xusd: Value | None = None,
                 principals: Value | None = None, **extra: Value) -> Self:
         """An account (`funding`: prepaid or postpaid); calling again adds to it."""
         _put(self._entry("accounts", account_id), funding=funding,
              credit_limit_xusd=_integer_string(credit_limit_xusd), principals=principals, **extra)
         return self
 
-    def grant(self, account_id: str, grant_id: Value | None, amount_xusd: int | Value | None,
+    def grant(self, account_id: str, grant_id: Value | None, amount_xusd: Value | None,
               effective_at: Value | None, **extra: Value) -> Self:
         """A grant of `account_id` (its table is made if this builder has none)."""
         grants: list[_Table] = self._entry("accounts", account_id).setdefault("grants", [])
@@ -132,8 +133,8 @@ class CatalogBuilder:
         return self
 
     # ---- arrays of tables, in the order of the calls ----------------------------------------
-    def price(self, meter: Value | None, unit_price_xusd: int | Value | None,
-              effective_at: Value | None, *, unit_quantity_minor: int | Value | None = None,
+    def price(self, meter: Value | None, unit_price_xusd: Value | None,
+              effective_at: Value | None, *, unit_quantity_minor: Value | None = None,
               rounding: Value | None = None, **extra: Value) -> Self:
         self._array("prices").append(_entry(
             meter=meter, unit_price_xusd=_integer_string(unit_price_xusd),
@@ -142,7 +143,7 @@ class CatalogBuilder:
         return self
 
     def quota(self, feature: Value | None, *, scope: Value | None, window: Value | None,
-              limit_minor: int | Value | None, id: Value | None = None,
+              limit_minor: Value | None, id: Value | None = None,
               accounts: Value | None = None, **extra: Value) -> Self:
         self._array("quotas").append(_entry(
             id=id, feature=feature, scope=scope, window=window,
@@ -150,7 +151,7 @@ class CatalogBuilder:
         return self
 
     def budget(self, budget_id: Value | None, *, scope: Value | None, window: Value | None,
-               limit_xusd: int | Value | None, accounts: Value | None = None,
+               limit_xusd: Value | None, accounts: Value | None = None,
                features: Value | None = None, **extra: Value) -> Self:
         self._array("budgets").append(_entry(
             id=budget_id, scope=scope, accounts=accounts, features=features, window=window,
@@ -212,7 +213,7 @@ class CatalogBuilder:
         return array
 
 
-def _integer_string(value: int | Value | None) -> Value | None:
+def _integer_string(value: Value | None) -> Value | None:
     """Money and quantities: an int becomes the integer string the catalog expects."""
     if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
