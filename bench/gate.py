@@ -22,23 +22,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from api.auth import sign_headers  # noqa: E402
 from bench.loopback import Connection, percentile, run, start_server  # noqa: E402
+from tests.catalog_builder import CatalogBuilder  # noqa: E402
 
 
 def bench_catalog(clients: int) -> Path:
-    lines = ["[realms.acme.families.api]", '[realms.acme.meters."api.calls"]', 'unit = "request"',
-             '[realms.acme.features."api.search"]', 'family = "api"', 'primary_meter = "api.calls"',
-             "[[realms.acme.prices]]", 'meter = "api.calls"', 'unit_price_xusd = "2000"',
-             'unit_quantity_minor = "1"', 'effective_at = "2026-01-01T00:00:00Z"']
+    """A catalog file: one prepaid account per client (principal solo-<i>) and one shared by
+    all (principals shared-<i>), each funded for any run, over the feature api.search."""
+    jan = "2026-01-01T00:00:00Z"
+    catalog = (CatalogBuilder("acme")
+               .family("api")
+               .meter("api.calls", "request")
+               .feature("api.search", "api.calls", family="api")
+               .price("api.calls", 2000, jan, unit_quantity_minor=1))
     for i in range(clients):
-        lines += [f"[realms.acme.accounts.acct_{i}]", 'funding = "prepaid"', f'principals = ["solo-{i}"]',
-                  f"[[realms.acme.accounts.acct_{i}.grants]]", f'id = "bench-{i}"',
-                  'amount_xusd = "9000000000000000"', 'effective_at = "2026-01-01T00:00:00Z"']
-    shared = ", ".join(f'"shared-{i}"' for i in range(clients))
-    lines += ["[realms.acme.accounts.acct_shared]", 'funding = "prepaid"', f"principals = [{shared}]",
-              "[[realms.acme.accounts.acct_shared.grants]]", 'id = "bench-shared"',
-              'amount_xusd = "9000000000000000"', 'effective_at = "2026-01-01T00:00:00Z"']
+        catalog.account(f"acct_{i}", "prepaid", principals=[f"solo-{i}"])
+        catalog.grant(f"acct_{i}", f"bench-{i}", 9_000_000_000_000_000, jan)
+    catalog.account("acct_shared", "prepaid", principals=[f"shared-{i}" for i in range(clients)])
+    catalog.grant("acct_shared", "bench-shared", 9_000_000_000_000_000, jan)
     path = Path(tempfile.mkdtemp(prefix="tollgate-gate-")) / "catalog.toml"
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text(catalog.toml())
     return path
 
 

@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -47,6 +48,7 @@ from batch.rating_runs import RatingLock  # noqa: E402
 from batch.sweep import sweep  # noqa: E402
 from flows.workspace import close_lake, open_lake, scratch_dir  # noqa: E402
 from pipelines.catalog import load_catalog  # noqa: E402
+from tests.catalog_builder import CatalogBuilder  # noqa: E402
 from warehouse.catalog_store import CatalogStore  # noqa: E402
 from warehouse.lake import connect_lake  # noqa: E402
 
@@ -56,99 +58,27 @@ BATCH = 1_000_000
 # The payload paths the single-engine policies read (the aggregate one is rated per day).
 PATHS = ("$.usage.input_tokens", "$.usage.output_tokens", "$.status", "$.bytes")
 
-CATALOG = """
-[realms.bench.settings]
-lateness_allowance_seconds = 7200
-{accounts}
-[realms.bench.meters."llm.input_tokens"]
-unit = "token"
-[realms.bench.meters."llm.output_tokens"]
-unit = "token"
-[realms.bench.meters."api.calls"]
-unit = "call"
-[realms.bench.meters."storage.kib"]
-unit = "KiB"
-[realms.bench.meters."seats"]
-unit = "seat"
-
-[realms.bench.features."llm.chat"]
-primary_meter = "llm.input_tokens"
-meters = ["llm.input_tokens", "llm.output_tokens"]
-[realms.bench.features."api.search"]
-primary_meter = "api.calls"
-[realms.bench.features."storage"]
-primary_meter = "storage.kib"
-[realms.bench.features."seats"]
-primary_meter = "seats"
-
-[[realms.bench.prices]]
-meter = "llm.input_tokens"
-unit_price_xusd = "150"
-unit_quantity_minor = "1000"
-rounding = "floor"
-effective_at = "2026-01-01T00:00:00Z"
-[[realms.bench.prices]]
-meter = "llm.output_tokens"
-unit_price_xusd = "600"
-unit_quantity_minor = "1000"
-rounding = "ceil"
-effective_at = "2026-01-01T00:00:00Z"
-[[realms.bench.prices]]
-meter = "api.calls"
-unit_price_xusd = "2000"
-unit_quantity_minor = "1"
-effective_at = "2026-01-01T00:00:00Z"
-[[realms.bench.prices]]
-meter = "storage.kib"
-unit_price_xusd = "3"
-unit_quantity_minor = "1024"
-rounding = "nearest"
-effective_at = "2026-01-01T00:00:00Z"
-[[realms.bench.prices]]
-meter = "seats"
-unit_price_xusd = "1000000"
-unit_quantity_minor = "1"
-effective_at = "2026-01-01T00:00:00Z"
-
-[[realms.bench.policies]]
-id = "llm"
-[[realms.bench.policies.versions]]
-version = "v1"
-effective_at = "2026-01-01T00:00:00Z"
-dsl_json = '''{{"dsl_version": "v1", "engine": "single",
- "match": {{"event_type": "llm.completion", "where": {{"gt": [{{"payload": "usage.input_tokens"}}, 0]}}}},
- "emit": {{"intents": [{{"feature_code": "llm.chat", "meters": [
-   {{"meter_code": "llm.input_tokens", "quantity_minor": {{"payload_int": "usage.input_tokens"}}}},
-   {{"meter_code": "llm.output_tokens", "quantity_minor": {{"payload_int": "usage.output_tokens"}}}}]}}]}}}}'''
-[[realms.bench.policies]]
-id = "api"
-[[realms.bench.policies.versions]]
-version = "v1"
-effective_at = "2026-01-01T00:00:00Z"
-dsl_json = '''{{"dsl_version": "v1", "engine": "single",
- "match": {{"event_type": "api.request", "where": {{"lt": [{{"payload": "status"}}, 500]}}}},
- "emit": {{"intents": [{{"feature_code": "api.search", "meters": [
-   {{"meter_code": "api.calls", "quantity_minor": {{"const": 1}}}}]}}]}}}}'''
-[[realms.bench.policies]]
-id = "storage"
-[[realms.bench.policies.versions]]
-version = "v1"
-effective_at = "2026-01-01T00:00:00Z"
-dsl_json = '''{{"dsl_version": "v1", "engine": "single",
- "match": {{"event_type": "storage.write"}},
- "emit": {{"intents": [{{"feature_code": "storage", "meters": [
-   {{"meter_code": "storage.kib", "quantity_minor":
-     {{"div": [{{"payload_int": "bytes"}}, {{"const": 1024}}], "rounding": "ceil"}}}}]}}]}}}}'''
-[[realms.bench.policies]]
-id = "seats"
-[[realms.bench.policies.versions]]
-version = "v1"
-effective_at = "2026-01-01T00:00:00Z"
-dsl_json = '''{{"dsl_version": "v1", "engine": "aggregate",
- "match": {{"event_type": "seats.snapshot"}},
- "emit": {{"intents": [{{"feature_code": "seats", "meters": [
-   {{"meter_code": "seats", "quantity_minor": {{"agg": {{"op": "max", "of": {{"payload": "seats"}}}}}}}}]}}]}}}}'''
-"""
+# The generated catalog's policies (realm bench): three single-engine, one aggregate.
+POLICIES: dict[str, dict[str, Any]] = {
+    "llm": {"dsl_version": "v1", "engine": "single",
+            "match": {"event_type": "llm.completion", "where": {"gt": [{"payload": "usage.input_tokens"}, 0]}},
+            "emit": {"intents": [{"feature_code": "llm.chat", "meters": [
+                {"meter_code": "llm.input_tokens", "quantity_minor": {"payload_int": "usage.input_tokens"}},
+                {"meter_code": "llm.output_tokens", "quantity_minor": {"payload_int": "usage.output_tokens"}}]}]}},
+    "api": {"dsl_version": "v1", "engine": "single",
+            "match": {"event_type": "api.request", "where": {"lt": [{"payload": "status"}, 500]}},
+            "emit": {"intents": [{"feature_code": "api.search", "meters": [
+                {"meter_code": "api.calls", "quantity_minor": {"const": 1}}]}]}},
+    "storage": {"dsl_version": "v1", "engine": "single",
+                "match": {"event_type": "storage.write"},
+                "emit": {"intents": [{"feature_code": "storage", "meters": [
+                    {"meter_code": "storage.kib", "quantity_minor":
+                        {"div": [{"payload_int": "bytes"}, {"const": 1024}], "rounding": "ceil"}}]}]}},
+    "seats": {"dsl_version": "v1", "engine": "aggregate",
+              "match": {"event_type": "seats.snapshot"},
+              "emit": {"intents": [{"feature_code": "seats", "meters": [
+                  {"meter_code": "seats", "quantity_minor": {"agg": {"op": "max", "of": {"payload": "seats"}}}}]}]}},
+}
 
 # Six in ten events are LLM completions, two API requests (one in seven of those failed, so
 # not billed), one a storage write, one a seats snapshot.
@@ -175,9 +105,27 @@ FROM range({first}, {last}) AS t(i)
 
 
 def catalog_text() -> str:
-    accounts = "".join(f'[realms.bench.accounts.acct-{n:04d}]\nfunding = "postpaid"\n'
-                       for n in range(ACCOUNTS))
-    return CATALOG.format(accounts=accounts)
+    """The generated catalog: realm bench, ACCOUNTS postpaid accounts, the meters of POLICIES
+    (LLM tokens priced per 1,000 with carry, API calls, storage KiB, seats) and POLICIES."""
+    jan = "2026-01-01T00:00:00Z"
+    catalog = CatalogBuilder("bench").settings(lateness_allowance_seconds=7200)
+    for n in range(ACCOUNTS):
+        catalog.account(f"acct-{n:04d}", "postpaid")
+    (catalog
+     .meter("llm.input_tokens", "token").meter("llm.output_tokens", "token")
+     .meter("api.calls", "call").meter("storage.kib", "KiB").meter("seats", "seat")
+     .feature("llm.chat", "llm.input_tokens", meters=["llm.input_tokens", "llm.output_tokens"])
+     .feature("api.search", "api.calls")
+     .feature("storage", "storage.kib")
+     .feature("seats", "seats")
+     .price("llm.input_tokens", 150, jan, unit_quantity_minor=1000, rounding="floor")
+     .price("llm.output_tokens", 600, jan, unit_quantity_minor=1000, rounding="ceil")
+     .price("api.calls", 2000, jan, unit_quantity_minor=1)
+     .price("storage.kib", 3, jan, unit_quantity_minor=1024, rounding="nearest")
+     .price("seats", 1_000_000, jan, unit_quantity_minor=1))
+    for policy_id, document in POLICIES.items():
+        catalog.policy(policy_id, ("v1", jan, document))
+    return catalog.toml()
 
 
 def generate(data_dir: Path, events: int) -> float:

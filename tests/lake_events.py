@@ -15,6 +15,7 @@ from api.events.views import to_record
 from batch.rating_plan import RatingPlan
 from pipelines.catalog import load_catalog
 from pipelines.events import EventIn, ValidEvent, validate_event
+from tests.catalog_builder import CatalogBuilder
 from warehouse.catalog_store import CatalogStore
 from warehouse.export import LakeExporter
 from warehouse.operational import open_operational
@@ -74,58 +75,31 @@ def apply_catalog(data_dir: Path, text: str) -> RatingPlan:
 
 def catalog_toml(*, policies: str, prices: str, lateness_seconds: int = 7200) -> str:
     """A one-realm catalog (realm acme, accounts acct_a and acct_b) with these policies and
-    prices (TOML fragments) over the meters tokens.in, tokens.out, calls and seats."""
-    return f"""
-[realms.acme.settings]
-lateness_allowance_seconds = {lateness_seconds}
-
-[realms.acme.accounts.acct_a]
-funding = "postpaid"
-principals = ["p-a"]
-[realms.acme.accounts.acct_b]
-funding = "postpaid"
-principals = ["p-b"]
-
-[realms.acme.meters."tokens.in"]
-unit = "token"
-[realms.acme.meters."tokens.out"]
-unit = "token"
-[realms.acme.meters."calls"]
-unit = "call"
-[realms.acme.meters."seats"]
-unit = "seat"
-
-[realms.acme.features."llm.chat"]
-primary_meter = "tokens.in"
-meters = ["tokens.in", "tokens.out"]
-[realms.acme.features."api.search"]
-primary_meter = "calls"
-[realms.acme.features."team.seats"]
-primary_meter = "seats"
-{prices}
-{policies}
-"""
+    prices (catalog text of `policy` and `price`) over the meters tokens.in, tokens.out, calls
+    and seats."""
+    base = (CatalogBuilder("acme")
+            .settings(lateness_allowance_seconds=lateness_seconds)
+            .account("acct_a", "postpaid", principals=["p-a"])
+            .account("acct_b", "postpaid", principals=["p-b"])
+            .meter("tokens.in", "token").meter("tokens.out", "token")
+            .meter("calls", "call").meter("seats", "seat")
+            .feature("llm.chat", "tokens.in", meters=["tokens.in", "tokens.out"])
+            .feature("api.search", "calls")
+            .feature("team.seats", "seats"))
+    return "\n".join((base.toml(), prices, policies))
 
 
 def price(meter: str, unit_price: int, unit_quantity: int, effective_at: str,
           rounding: str = "floor") -> str:
-    return f"""
-[[realms.acme.prices]]
-meter = "{meter}"
-unit_price_xusd = "{unit_price}"
-unit_quantity_minor = "{unit_quantity}"
-rounding = "{rounding}"
-effective_at = "{effective_at}"
-"""
+    """A price row of realm acme, as text to add to `catalog_toml`'s (several add up)."""
+    return "\n" + CatalogBuilder("acme").price(
+        meter, unit_price, effective_at, unit_quantity_minor=unit_quantity, rounding=rounding).toml()
 
 
 def policy(policy_id: str, *versions: tuple[str, str, dict[str, Any]]) -> str:
-    """A policy with versions (version, effective_at, DSL document)."""
-    text = f"\n[[realms.acme.policies]]\nid = \"{policy_id}\"\n"
-    for version, effective_at, document in versions:
-        text += (f"\n[[realms.acme.policies.versions]]\nversion = \"{version}\"\n"
-                 f"effective_at = \"{effective_at}\"\ndsl_json = '''{json.dumps(document)}'''\n")
-    return text
+    """A policy of realm acme with versions (version, effective_at, DSL document), as text to
+    add to `catalog_toml`'s (several add up)."""
+    return "\n" + CatalogBuilder("acme").policy(policy_id, *versions).toml()
 
 
 def single(event_type: str, feature: str, meters: dict[str, Any],

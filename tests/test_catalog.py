@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.catalog import CatalogInvalid, load_catalog
+from tests.catalog_builder import CatalogBuilder, Raw
 from tests.conftest import FIXTURES, Service, tollgate
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "cli" / "demo" / "catalog.toml"
@@ -29,33 +30,15 @@ def test_the_example_catalog_loads_with_every_section() -> None:
     assert acme.policies["daily-peak-seats"].versions[0].document["engine"] == "aggregate"
 
 
-BAD = """
-[realms.acme.accounts.a1]
-funding = "prepay"
-credit_limit_xusd = 5
-principals = ["p1"]
-
-[realms.acme.accounts.a2]
-funding = "postpaid"
-principals = ["p1"]
-
-[realms.acme.meters."m.one"]
-[realms.acme.features."f.one"]
-primary_meter = "m.missing"
-
-[[realms.acme.prices]]
-meter = "m.one"
-unit_price_xusd = "1.5"
-rounding = "up"
-effective_at = "yesterday"
-
-[[realms.acme.policies]]
-id = "p"
-[[realms.acme.policies.versions]]
-version = "1"
-effective_at = "2026-01-01T00:00:00Z"
-dsl_json = '{"dsl_version": "v2", "engine": "single", "match": {"event_type": "x"}, "emit": {"intents": []}}'
-"""
+BAD = (CatalogBuilder("acme")
+       .account("a1", "prepay", credit_limit_xusd=Raw("5"), principals=["p1"])
+       .account("a2", "postpaid", principals=["p1"])
+       .meter("m.one")
+       .feature("f.one", "m.missing")
+       .price("m.one", "1.5", "yesterday", rounding="up")
+       .policy("p", ("1", "2026-01-01T00:00:00Z", {"dsl_version": "v2", "engine": "single",
+                                                   "match": {"event_type": "x"}, "emit": {"intents": []}}))
+       .toml())
 
 
 def test_an_invalid_catalog_names_every_fault_with_its_path() -> None:
@@ -98,11 +81,8 @@ def test_a_grant_id_cannot_come_back_with_another_amount(tmp_path: Path) -> None
 
 def test_apply_is_picked_up_by_a_running_server_within_two_seconds(service: Service, tmp_path: Path) -> None:
     extra = tmp_path / "extra.toml"
-    extra.write_text((FIXTURES / "catalog.toml").read_text() + """
-[realms.acme.accounts.acct_late]
-funding = "postpaid"
-principals = ["team-late"]
-""")
+    extra.write_text((FIXTURES / "catalog.toml").read_text() + "\n"
+                     + CatalogBuilder().account("acct_late", "postpaid", principals=["team-late"]).toml())
     body = {"semantic_kind": "activity", "event_type": "catalog.check", "occurred_at": "2026-11-20T10:00:00Z"}
     assert service.post("/mgt/v1/events", body, account="acct_late").status_code == 422
     tollgate("catalog", "apply", str(extra), data_dir=service.data_dir)
@@ -112,8 +92,14 @@ principals = ["team-late"]
         time.sleep(0.1)
 
 
-def _with(extra: str, base: str | None = None) -> str:
-    return (base if base is not None else EXAMPLE.read_text()) + "\n" + extra + "\n"
+def _with(extra: CatalogBuilder) -> str:
+    """The example catalog with `extra` added at its end."""
+    return EXAMPLE.read_text() + "\n" + extra.toml()
+
+
+def _welcome(account: str, amount_xusd: int = 5_000_000) -> CatalogBuilder:
+    """The grant welcome-2026-11 of the example and the fixture, given to `account`."""
+    return CatalogBuilder().grant(account, "welcome-2026-11", amount_xusd, "2026-11-01T00:00:00Z")
 
 
 def test_rules_that_used_to_crash_or_slip_through_are_faults_with_their_paths() -> None:
@@ -125,22 +111,19 @@ def test_rules_that_used_to_crash_or_slip_through_are_faults_with_their_paths() 
         "realms.acme.accounts.acct_prepaid.grants[0].effective_at":
             text.replace('effective_at = "2026-11-01T00:00:00Z"', 'effective_at = "0001-01-01T00:00:00+01:00"'),
         # the ledger keys grants by (realm, id): a second account's grant would never be booked
-        "realms.acme.accounts.acct_postpaid.grants[0].id": _with(
-            '[[realms.acme.accounts.acct_postpaid.grants]]\nid = "welcome-2026-11"\n'
-            'amount_xusd = "1"\neffective_at = "2026-11-01T00:00:00Z"'),
+        "realms.acme.accounts.acct_postpaid.grants[0].id": _with(_welcome("acct_postpaid", 1)),
         # two rate limits with one id would share the limiter's counters
-        "realms.acme.rate_limits[1].id": _with(
-            '[[realms.acme.rate_limits]]\nid = "rate-0-api.search"\nfeature = "api.search"\nper_seconds = 60\nlimit = 5'),
+        "realms.acme.rate_limits[1].id": _with(CatalogBuilder().rate_limit(
+            "api.search", id="rate-0-api.search", per_seconds=60, limit=5)),
         "realms.acme.quotas[0].id": text.replace('[[realms.acme.quotas]]\n', '[[realms.acme.quotas]]\nid = 5\n'),
         # two versions of a policy at one instant: which rates an event is ambiguous
-        "realms.acme.policies[1].versions[1].effective_at": _with(
-            '[[realms.acme.policies.versions]]\nversion = "v2"\neffective_at = "2026-01-01T00:00:00Z"\n'
-            'dsl_json = \'{"dsl_version": "v1", "engine": "aggregate", "match": {"event_type": "seats.snapshot"}, '
-            '"emit": {"intents": [{"feature_code": "api.search", "meters": [{"meter_code": "api.calls", '
-            '"quantity_minor": {"agg": {"op": "max", "of": {"payload": "seats"}, "default": 1}}}]}]}}\''),
+        "realms.acme.policies[1].versions[1].effective_at": _with(CatalogBuilder().version(
+            "daily-peak-seats", "v2", "2026-01-01T00:00:00Z", {
+                "dsl_version": "v1", "engine": "aggregate", "match": {"event_type": "seats.snapshot"},
+                "emit": {"intents": [{"feature_code": "api.search", "meters": [{"meter_code": "api.calls",
+                         "quantity_minor": {"agg": {"op": "max", "of": {"payload": "seats"}, "default": 1}}}]}]}})),
         # price ids are to the second (the carry's key): two rows in one second would share one
-        "realms.acme.prices[3]": _with('[[realms.acme.prices]]\nmeter = "api.calls"\nunit_price_xusd = "1"\n'
-                                       'effective_at = "2026-01-01T00:00:00.5Z"'),
+        "realms.acme.prices[3]": _with(CatalogBuilder().price("api.calls", 1, "2026-01-01T00:00:00.5Z")),
         # a TTL that overflows the clock answered every authorize with a 500
         "realms.acme.features.llm.chat.lease_ttl_seconds":
             text.replace("lease_ttl_seconds = 600", "lease_ttl_seconds = 300000000000"),
@@ -156,8 +139,7 @@ def test_rules_that_used_to_crash_or_slip_through_are_faults_with_their_paths() 
 @pytest.mark.lake
 def test_a_grant_id_applied_in_any_earlier_catalog_cannot_change_or_move(tmp_path: Path) -> None:
     fixture = (FIXTURES / "catalog.toml").read_text()
-    grant = ('[[realms.acme.accounts.acct_prepaid.grants]]\nid = "welcome-2026-11"\n'
-             'amount_xusd = "5000000"\neffective_at = "2026-11-01T00:00:00Z"\n')
+    grant = _welcome("acct_prepaid").toml()
     assert grant in fixture
     tollgate("catalog", "apply", str(FIXTURES / "catalog.toml"), data_dir=tmp_path)
     without = tmp_path / "without.toml"
@@ -169,7 +151,7 @@ def test_a_grant_id_applied_in_any_earlier_catalog_cannot_change_or_move(tmp_pat
     r = tollgate("catalog", "apply", str(changed), data_dir=tmp_path, check=False)
     assert r.returncode == 1 and "welcome-2026-11" in r.stderr
     moved = tmp_path / "moved.toml"
-    moved.write_text(fixture.replace(grant, "") + "\n" + grant.replace("acct_prepaid", "acct_postpaid"))
+    moved.write_text(fixture.replace(grant, "") + "\n" + _welcome("acct_postpaid").toml())
     r = tollgate("catalog", "apply", str(moved), data_dir=tmp_path, check=False)
     assert r.returncode == 1 and "applied before to account 'acct_prepaid'" in r.stderr
     assert tollgate("catalog", "apply", str(FIXTURES / "catalog.toml"), data_dir=tmp_path).returncode == 0

@@ -12,6 +12,7 @@ import duckdb
 import pytest
 
 from pipelines.catalog import load_catalog
+from tests.catalog_builder import CatalogBuilder
 from tests.conftest import FIXTURES, tollgate
 from warehouse.catalog_history import record_catalog
 from warehouse.lake import connect_lake
@@ -97,14 +98,8 @@ def test_an_applied_catalog_appears_in_the_lake_and_reapplying_it_adds_only_its_
 def second_catalog(tmp_path: Path) -> Path:
     """The fixture catalog with one more api.calls price, from 2026-12-01."""
     second = tmp_path / "second.toml"
-    second.write_text((FIXTURES / "catalog.toml").read_text() + """
-[[realms.acme.prices]]
-meter = "api.calls"
-unit_price_xusd = "2500"
-unit_quantity_minor = "1"
-rounding = "ceil"
-effective_at = "2026-12-01T00:00:00Z"
-""")
+    second.write_text((FIXTURES / "catalog.toml").read_text() + "\n" + CatalogBuilder().price(
+        "api.calls", 2500, "2026-12-01T00:00:00Z", unit_quantity_minor=1, rounding="ceil").toml())
     return second
 
 
@@ -147,7 +142,7 @@ def test_going_back_to_a_catalog_records_when_it_came_back_into_force(tmp_path: 
 
 def test_an_invalid_catalog_records_nothing(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
-    bad.write_text('[realms.acme.features."x"]\nprimary_meter = "nope"\n')
+    bad.write_text(CatalogBuilder().feature("x", "nope").toml())
     result = tollgate("catalog", "apply", str(bad), data_dir=tmp_path, check=False)
     assert result.returncode == 1
     assert not (tmp_path / "lake" / "catalog.sqlite").exists()

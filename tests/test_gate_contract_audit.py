@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.catalog_builder import CatalogBuilder
 from tests.conftest import FIXTURES, Service, make_service, tollgate
 
 pytestmark = pytest.mark.server
@@ -21,91 +22,39 @@ COMMITS = "/mgt/v1/gate/commits"
 CANCEL = "/mgt/v1/gate/cancel"
 
 # Accounts, principals and limits of this module's own, on top of the fixture catalog.
-EXTRA = """
-[realms.acme.features."audit.order"]
-family = "gate"
-primary_meter = "gate.units"
-
-[realms.acme.features."audit.rated"]
-family = "gate"
-primary_meter = "gate.units"
-
-[realms.acme.accounts.acct_audit_order]     # funds for 5 units of audit.order
-funding = "prepaid"
-principals = ["audit-order-p"]
-[[realms.acme.accounts.acct_audit_order.grants]]
-id = "audit-order"
-amount_xusd = "500"
-effective_at = "2026-01-01T00:00:00Z"
-
-[realms.acme.accounts.acct_audit_rate]
-funding = "postpaid"
-principals = ["audit-rate-p"]
-
-[realms.acme.accounts.acct_audit_misc]      # commits that leave carried remainders of their own
-funding = "postpaid"
-principals = ["audit-misc-p"]
-
-[realms.acme.accounts.acct_audit_poor]      # nothing granted until the test grants it
-funding = "prepaid"
-principals = ["audit-poor-p"]
-
-[realms.acme.accounts.acct_audit_debt]      # funds for one unit, then debts beyond 2^64 xusd
-funding = "prepaid"
-principals = ["audit-debt-p"]
-[[realms.acme.accounts.acct_audit_debt.grants]]
-id = "audit-debt"
-amount_xusd = "100"
-effective_at = "2026-01-01T00:00:00Z"
-
-[realms.acme.accounts.acct_audit_spent]     # a budget, then spending beyond 2^64 xusd
-funding = "postpaid"
-principals = ["audit-spent-p"]
-
-[[realms.acme.budgets]]
-id = "audit-spent-budget"
-scope = "account"
-accounts = ["acct_audit_spent"]
-window = "month"
-limit_xusd = "1000"
-
-[[realms.acme.quotas]]
-feature = "audit.order"
-scope = "principal"
-window = "day"
-limit_minor = "100"
-
-[[realms.acme.budgets]]
-id = "audit-order-budget"
-scope = "account"
-accounts = ["acct_audit_order"]
-window = "month"
-limit_xusd = "5000"
-
-[[realms.acme.rate_limits]]
-feature = "audit.order"
-scope = "principal"
-per_seconds = 3600
-limit = 4
-
-[[realms.acme.rate_limits]]
-feature = "audit.rated"
-scope = "principal"
-per_seconds = 1
-limit = 1
-"""
-
-GRANT_FOR_POOR = """
-[[realms.acme.accounts.acct_audit_poor.grants]]
-id = "audit-poor-late"
-amount_xusd = "1000000"
-effective_at = "2026-01-01T00:00:00Z"
-"""
+JAN = "2026-01-01T00:00:00Z"
+EXTRA = (
+    CatalogBuilder("acme")
+    .feature("audit.order", "gate.units", family="gate")
+    .feature("audit.rated", "gate.units", family="gate")
+    # funds for 5 units of audit.order
+    .account("acct_audit_order", "prepaid", principals=["audit-order-p"])
+    .grant("acct_audit_order", "audit-order", 500, JAN)
+    .account("acct_audit_rate", "postpaid", principals=["audit-rate-p"])
+    # commits that leave carried remainders of their own
+    .account("acct_audit_misc", "postpaid", principals=["audit-misc-p"])
+    # nothing granted until the test grants it
+    .account("acct_audit_poor", "prepaid", principals=["audit-poor-p"])
+    # funds for one unit, then debts beyond 2^64 xusd
+    .account("acct_audit_debt", "prepaid", principals=["audit-debt-p"])
+    .grant("acct_audit_debt", "audit-debt", 100, JAN)
+    # a budget, then spending beyond 2^64 xusd
+    .account("acct_audit_spent", "postpaid", principals=["audit-spent-p"])
+    .budget("audit-spent-budget", scope="account", accounts=["acct_audit_spent"], window="month",
+            limit_xusd=1000)
+    .quota("audit.order", scope="principal", window="day", limit_minor=100)
+    .budget("audit-order-budget", scope="account", accounts=["acct_audit_order"], window="month",
+            limit_xusd=5000)
+    .rate_limit("audit.order", scope="principal", per_seconds=3600, limit=4)
+    .rate_limit("audit.rated", scope="principal", per_seconds=1, limit=1)
+)
+# The same, and the grant that funds acct_audit_poor later.
+GRANTED = EXTRA.copy().grant("acct_audit_poor", "audit-poor-late", 1_000_000, JAN)
 
 
-def _catalog(tmp: Path, name: str, extra: str) -> Path:
+def _catalog(tmp: Path, name: str, extra: CatalogBuilder) -> Path:
     path = tmp / name
-    path.write_text((FIXTURES / "catalog.toml").read_text() + "\n" + extra)
+    path.write_text((FIXTURES / "catalog.toml").read_text() + "\n" + extra.toml())
     return path
 
 
@@ -283,7 +232,7 @@ def test_a_402_under_a_key_is_replayed_after_funds_appear(audit: Service, tmp_pa
     key = f"poor-{uuid.uuid4()}"
     refused = authorize(audit, "audit-poor-p", estimate="3", idempotency_key=key)
     assert error(refused) == (402, "FUNDING.INSUFFICIENT")
-    tollgate("catalog", "apply", str(_catalog(tmp_path, "granted.toml", EXTRA + GRANT_FOR_POOR)),
+    tollgate("catalog", "apply", str(_catalog(tmp_path, "granted.toml", GRANTED)),
              data_dir=audit.data_dir)
     deadline = time.monotonic() + 5
     while authorize(audit, "audit-poor-p", estimate="3").status_code != 200:

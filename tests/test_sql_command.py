@@ -26,6 +26,7 @@ from batch.rerate import rerate
 from batch.usage_reports import build_usage_report
 from pipelines.catalog import Catalog, load_catalog
 from pipelines.events import EventIn, ValidEvent, validate_event
+from tests.catalog_builder import CatalogBuilder
 from tests.conftest import tollgate
 from warehouse.catalog_history import record_catalog
 from warehouse.export import LakeExporter
@@ -40,106 +41,40 @@ pytestmark = pytest.mark.lake
 ROOT = Path(__file__).resolve().parent.parent
 RECEIVED = datetime(2026, 11, 22, 12, 0, tzinfo=timezone.utc)  # created_at of every event
 
-CATALOG = """
-[realms.acme.accounts.acct_a]
-funding = "postpaid"
-principals = ["team-a"]
-
-[realms.acme.accounts.acct_b]
-funding = "postpaid"
-principals = ["team-b"]
-
-[realms.acme.families.llm]
-[realms.acme.families.api]
-[realms.acme.meters."llm.input_tokens"]
-unit = "token"
-[realms.acme.meters."llm.output_tokens"]
-unit = "token"
-[realms.acme.meters."api.calls"]
-unit = "request"
-[realms.acme.meters."seats"]
-unit = "seat"
-
-[realms.acme.features."llm.chat"]
-family = "llm"
-primary_meter = "llm.input_tokens"
-meters = ["llm.input_tokens", "llm.output_tokens"]
-
-[realms.acme.features."api.search"]
-family = "api"
-primary_meter = "api.calls"
-
-[realms.acme.features."team.seats"]
-primary_meter = "seats"
-
-[[realms.acme.prices]]
-meter = "llm.input_tokens"
-unit_price_xusd = "150"
-unit_quantity_minor = "1000"
-effective_at = "2026-01-01T00:00:00Z"
-
-[[realms.acme.prices]]
-meter = "llm.output_tokens"
-unit_price_xusd = "600"
-unit_quantity_minor = "1000"
-rounding = "ceil"
-effective_at = "2026-01-01T00:00:00Z"
-
-[[realms.acme.prices]]
-meter = "api.calls"
-unit_price_xusd = "2000"
-effective_at = "2026-01-01T00:00:00Z"
-
-[[realms.acme.prices]]
-meter = "seats"
-unit_price_xusd = "1000"
-effective_at = "2026-01-01T00:00:00Z"
-
-[[realms.acme.policies]]
-id = "seats"
-
-[[realms.acme.policies.versions]]
-version = "v1"
-effective_at = "2026-01-01T00:00:00Z"
-dsl_json = '''{"dsl_version": "v1", "engine": "aggregate", "match": {"event_type": "seats.snapshot"},
- "emit": {"intents": [{"feature_code": "team.seats", "meters": [
-   {"meter_code": "seats", "quantity_minor": {"agg": {"op": "max", "of": {"payload": "seats"}}}}]}]}}'''
-
-[[realms.acme.policies]]
-id = "llm-completions"
-
-[[realms.acme.policies.versions]]
-version = "2026-01"
-effective_at = "2026-01-01T00:00:00Z"
-dsl_json = '''{"dsl_version": "v1", "engine": "single", "match": {"event_type": "llm.completion"},
- "emit": {"intents": [{"feature_code": "llm.chat", "meters": [
-   {"meter_code": "llm.input_tokens", "quantity_minor": {"payload_int": "usage.input_tokens", "default": 0}},
-   {"meter_code": "llm.output_tokens", "quantity_minor": {"payload_int": "usage.output_tokens", "default": 0}}]}]}}'''
-"""
-
-# Version 2026-11 of llm-completions (the last policy above) and a price of 200 per 1000 input
-# tokens, both in force from 2026-11-01.
-NOVEMBER = """
-[[realms.acme.policies.versions]]
-version = "2026-11"
-effective_at = "2026-11-01T00:00:00Z"
-dsl_json = '''{"dsl_version": "v1", "engine": "single", "match": {"event_type": "llm.completion"},
- "emit": {"intents": [{"feature_code": "llm.chat", "meters": [
-   {"meter_code": "llm.input_tokens", "quantity_minor": {"payload_int": "usage.input_tokens", "default": 0}},
-   {"meter_code": "llm.output_tokens", "quantity_minor": {"payload_int": "usage.output_tokens", "default": 0}}]}]}}'''
-
-[[realms.acme.prices]]
-meter = "llm.input_tokens"
-unit_price_xusd = "200"
-unit_quantity_minor = "1000"
-effective_at = "2026-11-01T00:00:00Z"
-"""
+JAN, NOV = "2026-01-01T00:00:00Z", "2026-11-01T00:00:00Z"
+SEATS = {"dsl_version": "v1", "engine": "aggregate", "match": {"event_type": "seats.snapshot"},
+         "emit": {"intents": [{"feature_code": "team.seats", "meters": [
+             {"meter_code": "seats", "quantity_minor": {"agg": {"op": "max", "of": {"payload": "seats"}}}}]}]}}
+LLM = {"dsl_version": "v1", "engine": "single", "match": {"event_type": "llm.completion"},
+       "emit": {"intents": [{"feature_code": "llm.chat", "meters": [
+           {"meter_code": "llm.input_tokens", "quantity_minor": {"payload_int": "usage.input_tokens", "default": 0}},
+           {"meter_code": "llm.output_tokens", "quantity_minor": {"payload_int": "usage.output_tokens", "default": 0}}]}]}}
 
 
 def catalog_text(*, november: bool) -> str:
     """Realm acme: LLM tokens (policy llm-completions), API calls and seats (an aggregate
-    policy: the day's most seats); with `november`, NOVEMBER too."""
-    return CATALOG + (NOVEMBER if november else "")
+    policy: the day's most seats); with `november`, version 2026-11 of llm-completions and a
+    price of 200 per 1000 input tokens, both in force from 2026-11-01."""
+    catalog = (CatalogBuilder("acme")
+               .account("acct_a", "postpaid", principals=["team-a"])
+               .account("acct_b", "postpaid", principals=["team-b"])
+               .family("llm").family("api")
+               .meter("llm.input_tokens", "token").meter("llm.output_tokens", "token")
+               .meter("api.calls", "request").meter("seats", "seat")
+               .feature("llm.chat", "llm.input_tokens", family="llm",
+                        meters=["llm.input_tokens", "llm.output_tokens"])
+               .feature("api.search", "api.calls", family="api")
+               .feature("team.seats", "seats")
+               .price("llm.input_tokens", 150, JAN, unit_quantity_minor=1000)
+               .price("llm.output_tokens", 600, JAN, unit_quantity_minor=1000, rounding="ceil")
+               .price("api.calls", 2000, JAN)
+               .price("seats", 1000, JAN)
+               .policy("seats", ("v1", JAN, SEATS))
+               .policy("llm-completions", ("2026-01", JAN, LLM)))
+    if november:
+        catalog.version("llm-completions", "2026-11", NOV, LLM)
+        catalog.price("llm.input_tokens", 200, NOV, unit_quantity_minor=1000)
+    return catalog.toml()
 
 
 # (name, account, event type, occurred_at, input tokens, output tokens, labels, how it came in,
