@@ -15,7 +15,7 @@ feature_code, meter_code, line_index), so the per-event work carries two integer
 strings are joined once, when rows are written.
 
 - The version of a policy applied to an event is the one with the greatest
-  `effective_at <= occurred_at` (CONTRACT.md section 5). A realm's version table is a handful
+  `effective_at <= occurred_at`. A realm's version table is a handful
   of rows known when the SQL is built, so this as-of join is compiled into a CASE over the
   versions in descending `effective_at`: no sort of the events.
 - An event matched (type and `where`) by no policy in force gives one `skipped_no_policy` line;

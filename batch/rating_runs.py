@@ -7,7 +7,7 @@ exclusive lock on a file next to the lake (`RatingLock`), and a run decides what
 after taking it, so two sweeps started together never rate an event twice: the second finds
 the first one's rows.
 
-Current values (CONTRACT.md section 5: "the latest run per event and line"):
+Current values (the rating rules: "the latest run per event and line"):
 
 - For each (realm, source_id) rated by a completed batch run (sweep, rerate, aggregate), the
   rows of the latest such run (by finished_at, then run_id), reversal rows excluded. A rerate

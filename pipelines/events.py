@@ -1,6 +1,6 @@
 """Validation of one incoming event into the facts that are hashed, stored and rated.
 
-Rules (CONTRACT.md section 4): `semantic_kind` in {activity, outcome}; `event_type` 1-128
+Rules: `semantic_kind` in {activity, outcome}; `event_type` 1-128
 characters after trim; `subject_ref` at most 256 characters, empty means absent; `occurred_at`
 RFC 3339 with an offset, normalized to UTC microseconds, at most `max_future_skew` ahead;
 `payload` that is not an object becomes `{}`; `labels` at most 32, keys lower-cased and matching

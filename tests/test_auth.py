@@ -1,4 +1,4 @@
-"""SVC-AUTH exactly as CONTRACT.md section 1."""
+"""SVC-AUTH exactly as the SVC-AUTH signing rules."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Canonical request_hash and event_id (CONTRACT.md section 4)."""
+"""Canonical request_hash and event_id (the events' rules; docs/architecture.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The catalog: the example shape loads, faults are all named with paths, apply is atomic and
-picked up by a running server within 2 s (CONTRACT.md section 6)."""
+picked up by a running server within 2 s (the catalog's shape; docs/architecture.md)."""
 
 from __future__ import annotations
 

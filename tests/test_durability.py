@@ -1,4 +1,4 @@
-"""A 2xx means durable: acknowledged events survive SIGKILL of the server (CONTRACT.md section 4)."""
+"""A 2xx means durable: acknowledged events survive SIGKILL of the server (the events' rules; docs/architecture.md)."""
 
 from __future__ import annotations
 

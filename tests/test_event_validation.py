@@ -1,4 +1,4 @@
-"""Every event validation rule of CONTRACT.md section 4, and label typing."""
+"""Every event validation rule of the events' rules, and label typing."""
 
 from __future__ import annotations
 

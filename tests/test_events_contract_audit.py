@@ -1,4 +1,4 @@
-"""POST /mgt/v1/events and /events/batch against CONTRACT.md section 4, over real HTTP: the
+"""POST /mgt/v1/events and /events/batch against the events' rules, over real HTTP: the
 edges of occurred_at, the canonical request_hash computed independently, and what a replay
 and a refused batch leave stored."""
 

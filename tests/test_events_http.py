@@ -1,4 +1,4 @@
-"""POST /mgt/v1/events and /events/batch over real HTTP on loopback (CONTRACT.md section 4)."""
+"""POST /mgt/v1/events and /events/batch over real HTTP on loopback (the events' rules; docs/architecture.md)."""
 
 from __future__ import annotations
 

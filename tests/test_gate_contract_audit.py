@@ -1,4 +1,4 @@
-"""The gate loop against CONTRACT.md section 3, rule by rule: check order, validation that
+"""The gate loop against the gate's rules, rule by rule: check order, validation that
 must not end in a 500, commit and cancel rules, and what an Idempotency-Key stores."""
 
 from __future__ import annotations

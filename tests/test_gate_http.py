@@ -1,4 +1,4 @@
-"""The gate loop over real HTTP (CONTRACT.md section 3): authorize, commit, cancel, holds,
+"""The gate loop over real HTTP (the gate's rules; docs/architecture.md): authorize, commit, cancel, holds,
 limits, leases and idempotency."""
 
 from __future__ import annotations

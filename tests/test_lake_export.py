@@ -1,4 +1,4 @@
-"""Export to the lake (ARCHITECTURE.md, write path): every committed event, label, gate commit
+"""Export to the lake (docs/architecture.md, the life of an event): every committed event, label, gate commit
 line and inline rating reaches the lake in commit order, exactly once, across crashes."""
 
 from __future__ import annotations

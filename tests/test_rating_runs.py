@@ -1,4 +1,4 @@
-"""Rating runs over the lake (CONTRACT.md section 5): the sweep, re-rating and aggregate days,
+"""Rating runs over the lake (the rating rules; docs/architecture.md): the sweep, re-rating and aggregate days,
 with events put in the lake by the real outbox and exporter and amounts worked out by hand."""
 
 from __future__ import annotations

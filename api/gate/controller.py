@@ -86,7 +86,7 @@ class _Fields:
             return None
         if not isinstance(value, str) or not value or len(value) > 512:
             # A malformed token names no lease: the writer answers 422 LEASE.NOT_FOUND for it,
-            # as for an unknown one (CONTRACT.md section 3).
+            # as for an unknown one (the gate's rules; docs/architecture.md).
             return ""
         return value
 

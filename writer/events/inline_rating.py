@@ -2,7 +2,7 @@
 
 Runs in the writer process, after a group's replies are sent, on the events that group newly
 accepted through POST /mgt/v1/events (`IngestHandler.accepted_singles`). The rating follows
-the sweep's rules (CONTRACT.md section 5, `batch.rating_plan`) with the Python evaluator:
+the sweep's rules (`batch.rating_plan`) with the Python evaluator:
 the policy version in force at occurred_at; `skipped_no_policy` when no policy matches,
 `quarantined` (one row per matched policy) when several do, `deferred` for an aggregate
 policy, else one `rated` row per (intent, meter) priced at occurred_at. Unlike the sweep it
