@@ -24,6 +24,7 @@ from pathlib import Path
 from cli import sql as sql_command
 from core.settings import ConfigError, Settings, parse_port
 from pipelines.catalog import ID_PATTERN, CatalogInvalid, load_catalog
+from pipelines.catalog_rules import grant_changes
 from warehouse.catalog_store import CatalogStore
 from warehouse.keys import KeyNotFound, ServiceKeyStore
 
@@ -48,7 +49,7 @@ def apply_catalog(settings: Settings, text: str) -> tuple[bool, str]:
     # One apply at a time: another one between our check of the grants and our switch could
     # bring a grant id back changed, or leave the lake and the service on different catalogs.
     with store.locked():
-        faults = _grant_changes(_applied_documents(store), catalog)
+        faults = grant_changes(_applied_documents(store), catalog)
         if faults:
             return False, "\n".join(f"  {f}" for f in faults)
         from warehouse.catalog_history import record_catalog  # DuckDB loads only when applying
@@ -73,38 +74,6 @@ def _applied_documents(store: CatalogStore) -> list[str]:
     if current is not None:
         texts.append(current)
     return texts
-
-
-def _grant_changes(applied: list[str], catalog: object) -> list[str]:
-    """Grants are idempotent by id: the ledger keeps, per realm and id, the grant first applied
-    and never changes it, so an id once applied (in any earlier catalog, not only the last) may
-    not come back with another amount, effective_at or account."""
-    first: dict[tuple[str, str], tuple[str, object]] = {}
-    for text in applied:
-        try:
-            # grants only: the rating DSL was validated when this document was applied
-            previous = load_catalog(text, dsl_validator=lambda document: [])
-        except CatalogInvalid:
-            continue
-        for realm_id, realm in previous.realms.items():
-            for acct in realm.accounts.values():
-                for g in acct.grants:
-                    first.setdefault((realm_id, g.id), (acct.id, g))
-    faults = []
-    for realm_id, realm in catalog.realms.items():  # type: ignore[attr-defined]
-        for acct in realm.accounts.values():
-            for i, g in enumerate(acct.grants):
-                if (realm_id, g.id) not in first:
-                    continue
-                old_account, old = first[(realm_id, g.id)]
-                where = f"realms.{realm_id}.accounts.{acct.id}.grants[{i}]"
-                if old_account != acct.id:
-                    faults.append(f"{where}: grant id {g.id!r} was applied before to account {old_account!r};"
-                                  " the ledger keeps it there; use a new id")
-                elif (old.amount_xusd, old.effective_at) != (g.amount_xusd, g.effective_at):  # type: ignore[attr-defined]
-                    faults.append(f"{where}: grant id {g.id!r} was applied before with another amount or "
-                                  "effective_at; use a new id")
-    return faults
 
 
 def _bootstrap(settings: Settings) -> None:
