@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cyclopts import App, CycloptsError, UnusedCliTokensError
+from cyclopts import App, CycloptsError, Parameter, UnusedCliTokensError
 
 from cli import catalog, flows, keys
 from cli.call import call
@@ -37,6 +37,9 @@ app = App(
     # (and rendering Markdown would load markdown-it for every --help).
     help_format="plaintext",
     group_parameters=OPTIONS,
+    # A flag given twice takes its last value, as argparse did (cyclopts refuses the repeat):
+    # a wrapper script may append its own --data-dir to a command line.
+    default_parameter=Parameter(allow_repeating=True),
 )
 # The sort keys list the commands in this order (cyclopts would sort them by name): the
 # service, then its tools.

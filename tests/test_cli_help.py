@@ -105,3 +105,11 @@ def test_help_and_call_load_neither_duckdb_nor_uvicorn_nor_prefect(tmp_path: Pat
         r = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True,
                            timeout=60)
         assert r.stdout.splitlines()[-1] == "[]", (argv, r.stdout, r.stderr)
+
+
+def test_a_flag_given_twice_takes_its_last_value_as_before(tmp_path: Path) -> None:
+    r = cli("keys", "create", "--realm", "first", "--realm", "acme",
+            "--data-dir", str(tmp_path / "a"), "--data-dir", str(tmp_path / "b"))
+    assert r.returncode == 0, r.stderr
+    assert not (tmp_path / "a").exists()
+    assert '"realm": "acme"' in cli("keys", "list", "--data-dir", str(tmp_path / "b")).stdout
