@@ -3,10 +3,10 @@
 Each subcommand lives in a module of its own: `cli.serve`, `cli.keys`, `cli.catalog`,
 `cli.call`, `cli.sql` and `cli.flows`; they import what is heavy (DuckDB, uvicorn, Prefect)
 inside the commands, so `tollgate --help` and `tollgate call` start quickly. This module owns
-the parsing and `main`, the only place where a failure becomes a message and an exit code:
-a usage error 2, `CommandError` its own code, a bad setting (`ConfigError`) 2, a data folder
+the parsing and `main`, the only place where an error becomes a message and an exit code: a
+usage error 2, `CommandError` its own code, a bad setting (`ConfigError`) 2, a data folder
 that cannot be read or written (`OSError`) 1, a reader that went away (`BrokenPipeError`) 141,
-Ctrl-C 130.
+Ctrl-C 130. (A command's own report, such as the faults of a catalog, is its output.)
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ app.command(call, sort_key=4)
 app.command(sql, sort_key=5, usage="Usage: tollgate sql [OPTIONS] [QUERY]")
 flows.app.sort_key = 6
 app.command(flows.app)
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `tollgate` with `argv` (default: the process's arguments); the exit code."""

@@ -1,6 +1,6 @@
 """What the `tollgate` commands share: the `--data-dir`, `--host` and `--port` parameters, and
-`CommandError`, the one way a command stops with a message (`cli.main` prints it and turns it
-into the exit code).
+`CommandError`, the way a command stops early with a one-line message (`cli.main` prints it
+and turns it into the exit code).
 
 The flags carry no environment fallback of their own: a flag left out is None, and
 `core.settings.Settings.from_env` reads TOLLGATE_DATA_DIR, TOLLGATE_HOST and TOLLGATE_PORT, so a
