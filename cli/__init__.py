@@ -1,1 +1,2 @@
-"""The `tollgate` command line: serve, keys, catalog, call, sql, flows."""
+"""The `tollgate` command line (cyclopts): serve, keys, catalog, call, sql, flows; one module
+per subcommand, gathered by `cli.main`."""

@@ -13,36 +13,35 @@ completed, 1 when it failed; its result is printed as JSON.
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import logging
-import sys
-from typing import Any
+from typing import Annotated, Any
 
+from cyclopts import App, Parameter
+
+from cli.shared import OPTIONS, CommandError, DataDir
 from core.settings import Settings
+from flows import FLOWS, check_params, flow_named  # light: a flow (and Prefect) loads on demand
 
-__all__ = ["cmd_flows", "parse_params", "register"]
+__all__ = ["app", "parse_params"]
+
+app = App(name="flows", help="Run the Prefect flows (rating, reports, compaction) once, now.",
+          group_parameters=OPTIONS)
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Add the `flows` subcommand to the `tollgate` parser."""
-    from flows import FLOWS
-
-    p = sub.add_parser("flows", help="run the Prefect flows (rating, reports, compaction)",
-                       description="Run a Prefect flow once, now.")
-    flows_sub = p.add_subparsers(dest="flows_cmd", required=True)
-    listing = flows_sub.add_parser("list", help="list the flows")
-    listing.add_argument("--data-dir", help="data folder (TOLLGATE_DATA_DIR; default ./var); not read")
-    run = flows_sub.add_parser("run", help="run one flow now")
-    run.add_argument("name", metavar="NAME", help=", ".join(FLOWS))
-    run.add_argument("--param", action="append", default=[], metavar="K=V",
-                     help="a flow parameter; V is JSON when it parses, else a string")
-    run.add_argument("--data-dir", help="data folder (TOLLGATE_DATA_DIR; default ./var)")
-    p.set_defaults(func=cmd_flows)
+@app.command(name="list", sort_key=1)
+def list_flows(*, data_dir: Annotated[str | None, Parameter(
+        name="--data-dir", metavar="DIR", help="data folder; not read by list")] = None) -> int:
+    """List the flows, each with the first line of its description."""
+    for name in FLOWS:
+        doc = (flow_named(name).description or "").strip().split("\n")[0]
+        print(f"{name:24} {doc}")
+    return 0
 
 
 def parse_params(pairs: list[str]) -> dict[str, Any]:
+    """`K=V` pairs as parameters: V is JSON when it parses as JSON, else the string."""
     params: dict[str, Any] = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")
@@ -55,51 +54,55 @@ def parse_params(pairs: list[str]) -> dict[str, Any]:
     return params
 
 
-def cmd_flows(args: argparse.Namespace) -> int:
-    from flows import FLOWS, check_params, flow_named
+@app.command(sort_key=2)
+def run(name: Annotated[str, Parameter(metavar="NAME")], /, *,
+        param: Annotated[list[str] | None, Parameter(metavar="K=V", negative_iterable=())] = None,
+        data_dir: DataDir = None) -> int:
+    """Run one flow now, as a Prefect flow run; prints its result as JSON.
 
-    if args.flows_cmd == "list":
-        for name in FLOWS:
-            doc = (flow_named(name).description or "").strip().split("\n")[0]
-            print(f"{name:24} {doc}")
-        return 0
+    NAME is rate-events, rerate, close-aggregate-days, publish-usage-reports or
+    compact-lake. A --param value is JSON when it parses as JSON, else a string:
+    --param accounts='["acct_a"]' passes a list. The run is on the Prefect API
+    of PREFECT_API_URL when set, else on a temporary local one. Exit code 0
+    when the run completed, 1 when it failed, 2 when it could not start.
+
+    Parameters
+    ----------
+    name
+        the flow to run (see tollgate flows list)
+    param
+        a flow parameter, repeatable; V is JSON if it parses
+    """
     try:
-        params = parse_params(args.param)
+        params = parse_params(param or [])
     except ValueError as exc:
-        print(f"tollgate: {exc}", file=sys.stderr)
-        return 2
-    if args.name not in FLOWS:
-        print(f"tollgate: no flow {args.name!r}; flows: {', '.join(FLOWS)}", file=sys.stderr)
-        return 2
-    flow = flow_named(args.name)
+        raise CommandError(str(exc), 2) from None
+    if name not in FLOWS:
+        raise CommandError(f"no flow {name!r}; flows: {', '.join(FLOWS)}", 2)
+    flow = flow_named(name)
     signature = inspect.signature(flow.fn).parameters
-    accepted = [name for name in signature if name != "data_dir"]
+    accepted = [p for p in signature if p != "data_dir"]
     unknown = sorted(set(params) - set(accepted))
     if unknown:
-        print(f"tollgate: {args.name} has no parameter {', '.join(unknown)}"
-              f" (its parameters: {', '.join(accepted) or 'none'}; the data folder is --data-dir)",
-              file=sys.stderr)
-        return 2
-    missing = [name for name in accepted
-               if signature[name].default is inspect.Parameter.empty and name not in params]
+        raise CommandError(f"{name} has no parameter {', '.join(unknown)}"
+                           f" (its parameters: {', '.join(accepted) or 'none'}; the data folder"
+                           " is --data-dir)", 2)
+    missing = [p for p in accepted
+               if signature[p].default is inspect.Parameter.empty and p not in params]
     if missing:
-        print(f"tollgate: {args.name} needs {' '.join(f'--param {m}=...' for m in missing)}",
-              file=sys.stderr)
-        return 2
+        raise CommandError(f"{name} needs {' '.join(f'--param {m}=...' for m in missing)}", 2)
     from warehouse.lake import lake_paths
 
-    settings = Settings.from_env(args.data_dir)
+    settings = Settings.from_env(data_dir)
     catalog, _ = lake_paths(settings.data_dir)
     if not catalog.exists():
         # A mistyped folder would otherwise get a new, empty lake and a run that found nothing.
-        print(f"tollgate: no lake at {settings.lake_dir} (is --data-dir right? the service"
-              " creates the lake at its first start)", file=sys.stderr)
-        return 2
+        raise CommandError(f"no lake at {settings.lake_dir} (is --data-dir right? the service"
+                           " creates the lake at its first start)", 2)
     try:
-        check_params(args.name, settings.data_dir, params)
+        check_params(name, settings.data_dir, params)
     except ValueError as exc:
-        print(f"tollgate: {args.name}: {exc}", file=sys.stderr)
-        return 2
+        raise CommandError(f"{name}: {exc}", 2) from None
     from prefect.exceptions import ParameterTypeError
 
     quiet = logging.getLogger("prefect.flows")  # it logs the same mistake, at length
@@ -108,16 +111,14 @@ def cmd_flows(args: argparse.Namespace) -> int:
         flow.validate_parameters(params)
     except ParameterTypeError as exc:
         problems = "; ".join(line.strip(" -") for line in str(exc).splitlines()[1:] if line.strip())
-        print(f"tollgate: {args.name}: invalid parameters: {problems or exc}", file=sys.stderr)
-        return 2
+        raise CommandError(f"{name}: invalid parameters: {problems or exc}", 2) from None
     finally:
         quiet.disabled = False
     params["data_dir"] = str(settings.data_dir)
     _console_without_tracebacks()
     state = flow(**params, return_state=True)
     if not state.is_completed():
-        print(f"tollgate: flow {args.name} ended {state.name}: {state.message}", file=sys.stderr)
-        return 1
+        raise CommandError(f"flow {name} ended {state.name}: {state.message}", 1)
     print(json.dumps(state.result(), indent=2, default=str))
     return 0
 

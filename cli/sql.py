@@ -14,10 +14,10 @@ as does any bad query.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import csv
 import datetime as dt
+import functools
 import math
 import re
 import shutil
@@ -27,46 +27,81 @@ import uuid
 from collections.abc import Sequence
 from decimal import Decimal
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Annotated, Any, Literal
 
-import msgspec
+from cyclopts import Parameter
 
+from cli.shared import DataDir
 from core.settings import Settings
 
-__all__ = ["cmd_sql", "register", "write_result"]
+if TYPE_CHECKING:
+    import msgspec
+
+__all__ = ["sql", "write_result"]
 
 _CELL_WIDTH = 80
-# Decimals keep every digit as a JSON number: no float in between.
-_json = msgspec.json.Encoder(decimal_format="number", enc_hook=str)
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Add the `sql` subcommand to the `tollgate` parser."""
-    p = sub.add_parser("sql", help="query the lake (read-only) in DuckDB",
-                       description="Query the lake, attached read-only as `lake`, in DuckDB.")
-    p.add_argument("query", nargs="?", help="a query to run; without it, an interactive session")
-    p.add_argument("--format", choices=("table", "csv", "json"), default="table",
-                   help="how to print results (default: table)")
-    p.add_argument("--data-dir", help="data folder (TOLLGATE_DATA_DIR; default ./var)")
-    p.set_defaults(func=cmd_sql)
+@functools.cache
+def _json() -> msgspec.json.Encoder:
+    """The JSON encoder of results (msgspec loads on first use: --help does not pay for it).
+    Decimals keep every digit as a JSON number: no float in between."""
+    import msgspec
+
+    return msgspec.json.Encoder(decimal_format="number", enc_hook=str)
 
 
-def cmd_sql(args: argparse.Namespace) -> int:
-    data_dir = Settings.from_env(args.data_dir).data_dir
-    shell = _duckdb_shell() if args.query is None else None
+_NEGATIVE_NUMBER = re.compile(r"-\d+|-\d*\.\d+")
+
+
+def _not_an_option(hint: Any, query: str | None) -> None:
+    # A query may begin with a `--` comment, so QUERY allows a leading hyphen; but one word
+    # that starts with a hyphen is a mistyped option, not a query (argparse's rule, as before).
+    if (query is not None and query.startswith("-") and not any(c.isspace() for c in query)
+            and not _NEGATIVE_NUMBER.fullmatch(query)):
+        raise ValueError("No such option.")
+
+
+Query = Annotated[str | None, Parameter(metavar="QUERY", allow_leading_hyphen=True,
+                                        validator=_not_an_option)]
+
+
+def sql(query: Query = None, /, *,
+        fmt: Annotated[Literal["table", "csv", "json"], Parameter(
+            name="--format", metavar="table|csv|json", show_choices=False)] = "table",
+        data_dir: DataDir = None) -> int:
+    """Query the lake (read-only) in DuckDB.
+
+    The lake is attached read-only as lake (USE lake is set). Without QUERY, an
+    interactive session: the duckdb shell when the same DuckDB version is on
+    PATH, else a small loop over stdin (statements end with ;).
+
+    Results: table aligns columns, csv is RFC 4180 with a header row, json is
+    an array of objects (integers stay integers, times are ISO 8601). Exit code
+    1 when a query fails, a write statement too.
+
+    Parameters
+    ----------
+    query
+        a query to run; without it, an interactive session
+    fmt
+        how to print results
+    """
+    folder = Settings.from_env(data_dir).data_dir
+    shell = _duckdb_shell() if query is None else None
     if shell is not None:
-        return _run_shell(shell, data_dir)
+        return _run_shell(shell, folder)
     import duckdb
 
     try:
-        conn = _open_lake(data_dir)
+        conn = _open_lake(folder)
     except (duckdb.Error, FileNotFoundError) as exc:
         print(f"tollgate sql: cannot open the lake: {exc}", file=sys.stderr)
         return 1
     try:
-        if args.query is None:
-            return _repl(conn, args.format)
-        return 0 if _run(conn, args.query, args.format, sys.stdout) else 1
+        if query is None:
+            return _repl(conn, fmt)
+        return 0 if _run(conn, query, fmt, sys.stdout) else 1
     finally:
         conn.close()
 
@@ -154,7 +189,7 @@ def write_result(columns: Sequence[str], types: Sequence[str], rows: Sequence[Se
         out.write("[")
         for n, row in enumerate(rows):
             record = {name: _json_value(v, i in json_columns) for i, (name, v) in enumerate(zip(columns, row, strict=False))}
-            out.write(("\n" if n == 0 else ",\n") + _json.encode(record).decode())
+            out.write(("\n" if n == 0 else ",\n") + _json().encode(record).decode())
         out.write("\n]\n" if rows else "]\n")
     elif fmt == "csv":
         writer = csv.writer(out, lineterminator="\r\n")
@@ -199,7 +234,7 @@ def _text(value: Any) -> str:
     if isinstance(value, (dt.datetime, dt.date, dt.time)):
         return value.isoformat()
     if isinstance(value, (list, tuple, dict)):
-        return _json.encode(_json_value(value, False)).decode()
+        return _json().encode(_json_value(value, False)).decode()
     if isinstance(value, (bytes, bytearray, memoryview)):
         return base64.b64encode(bytes(value)).decode()
     if isinstance(value, Decimal):
@@ -211,6 +246,8 @@ def _json_value(value: Any, is_json: bool) -> Any:
     """A value as JSON: ints and decimals stay numbers, times become ISO 8601 strings."""
     if value is None or isinstance(value, (bool, int, str, Decimal)):
         if is_json and isinstance(value, str):
+            import msgspec
+
             try:
                 return msgspec.json.decode(value)
             except msgspec.DecodeError:

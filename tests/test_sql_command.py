@@ -252,6 +252,13 @@ def test_csv_is_rfc_4180_with_a_header(lake_dir: Path) -> None:
                     ["llm.output_tokens", "600", 'a,"b"', ""]]
 
 
+def test_a_query_may_begin_with_a_comment(lake_dir: Path) -> None:
+    """The guide's queries open with `-- what it answers`: pasted whole, one is a query, not a
+    mistyped option."""
+    out = raw_sql(lake_dir, "-- the answer\nSELECT 42 AS answer", "--format", "csv")[0]
+    assert out == "answer\r\n42\r\n"
+
+
 def test_table_aligns_columns(lake_dir: Path) -> None:
     out = sql(lake_dir, "SELECT meter_code, amount_xusd FROM ratings WHERE source = 'gate_commit' "
                         "ORDER BY rating_id", "table").stdout

@@ -1,0 +1,185 @@
+"""`tollgate serve`: run the service on one data folder.
+
+This module owns what happens before the service answers: the checks that the data folder is
+usable and no other service holds it (its lock file, then DuckDB's own lock), binding the
+address, the first start's demo catalog and key, and the banner that says how to call it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+from cli.call import base_url
+from cli.catalog import apply_catalog
+from cli.shared import CommandError, DataDir, Host, Port
+from core.layout import DataFolder
+from core.settings import Settings
+
+__all__ = ["serve"]
+
+
+def serve(*, host: Host = None, port: Port = None, data_dir: DataDir = None) -> int:
+    """Run the service: the HTTP API, the writer and the flows' schedules.
+
+    On its first start in a data folder it applies the demo catalog, creates a
+    demo service key and prints how to call it. One service per data folder.
+
+    Parameters
+    ----------
+    host
+        address to listen on (TOLLGATE_HOST; default 127.0.0.1)
+    port
+        port to listen on (TOLLGATE_PORT; default 8040)
+    """
+    # Imported here: uvicorn, the API and Prefect's launcher take a while to load, and the
+    # other commands (and --help) need none of them.
+    import uvicorn
+
+    from api.app import create_app
+    from flows.launcher import FlowScheduler
+
+    settings = Settings.from_env(data_dir, host, port)
+    try:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CommandError(f"cannot create the data folder {settings.data_dir}:"
+                           f" {exc.strerror or exc}", 2) from None
+    if not os.access(settings.data_dir, os.W_OK | os.X_OK):
+        raise CommandError(f"the data folder {settings.data_dir} is not writable", 2)
+    if _lock_data_dir(settings.data_dir) is None:
+        raise CommandError(f"the data folder {settings.data_dir} is in use by another"
+                           " `tollgate serve`; one service per data folder", 2)
+    held = _held_by_another_process(settings.operational_path)
+    if held:
+        raise CommandError(f"the data folder {settings.data_dir} is in use by another process"
+                           f" ({held}); one service per data folder", 2)
+    try:
+        sock = _listen(settings)
+    except OSError as exc:
+        raise CommandError(f"cannot listen on {settings.host}:{settings.port}:"
+                           f" {exc.strerror or exc}", 2) from None
+    _bootstrap(settings)
+    # The flows' schedules run in a process of their own beside the HTTP process and the
+    # writer; they read and write the lake only. The app stops them as it shuts down
+    # (uvicorn ends this process by the signal that stopped it, so the `finally` below is
+    # not sure to run).
+    scheduler = FlowScheduler.start(settings)
+    app = create_app(settings, on_stop=[scheduler.stop])
+    _banner(settings)
+    from api.http_protocol import http_protocol
+
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, loop="uvloop",
+                            http=http_protocol(), lifespan="on", log_level="warning",
+                            access_log=False, timeout_keep_alive=30, proxy_headers=False)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:
+        # uvicorn re-raises Ctrl-C once it has shut down gracefully: nothing more to report.
+        return 130
+    finally:
+        scheduler.stop()
+    return 0
+
+
+def _demo_catalog() -> str:
+    from importlib import resources  # only at a first start
+
+    return resources.files("cli").joinpath("demo/catalog.toml").read_text(encoding="utf-8")
+
+
+def _bootstrap(settings: Settings) -> None:
+    """The first start's set-up: the demo catalog when none is applied, a demo key when the
+    folder has none (its secret printed once)."""
+    from warehouse.catalog_store import CatalogStore
+    from warehouse.keys import ServiceKeyStore
+
+    store = CatalogStore(settings.catalog_dir)
+    if store.read() is None:
+        ok, message = apply_catalog(settings, _demo_catalog())
+        if ok:
+            print(f"tollgate: no catalog yet, applied the demo catalog: {message}")
+        else:
+            print(f"tollgate: no catalog yet, and the demo catalog could not be applied:\n{message}",
+                  file=sys.stderr)
+    keys = ServiceKeyStore(settings.keys_path)
+    if not keys.load():
+        key = keys.create("acme")
+        print("tollgate: no service key yet, created a demo key for realm 'acme' "
+              f"(stored in {settings.keys_path}, mode 0600):")
+        print(json.dumps({"key_id": key.key_id, "secret": key.secret}))
+
+
+def _cli_command() -> str:
+    """This command as a shell can run it from any folder: `tollgate` when that is the one on
+    PATH, else its full path (the venv need not be active)."""
+    script = Path(sys.executable).parent / "tollgate"
+    if not script.exists():
+        return f"{shlex.quote(sys.executable)} -m cli"
+    found = shutil.which("tollgate")
+    if found and Path(found).resolve() == script.resolve():
+        return "tollgate"
+    return shlex.quote(str(script))
+
+
+def _banner(settings: Settings) -> None:
+    base = base_url(settings)
+    host_flag = f" --host {shlex.quote(settings.host)}" if settings.host != "127.0.0.1" else ""
+    data_flag = f" --data-dir {shlex.quote(str(settings.data_dir))}"
+    print(f"""tollgate serving on {base}  (data: {settings.data_dir})
+  health:   curl {base}/healthz
+  OpenAPI:  {base}/schema
+  try it (signs with the stored demo key):
+    {_cli_command()} call POST /mgt/v1/events --account acct_prepaid{host_flag} --port {settings.port}{data_flag} \\
+      --data '{{"semantic_kind":"activity","event_type":"llm.completion","occurred_at":"2026-11-01T12:00:00Z","payload":{{"usage":{{"input_tokens":1200,"output_tokens":300}}}}}}'
+""", flush=True)
+
+
+def _held_by_another_process(path: Path) -> str | None:
+    """Who holds the operational file's lock, if another process does (DuckDB allows one
+    writing process); None when it is free or does not exist yet."""
+    if not path.exists():
+        return None
+    import duckdb
+
+    try:
+        duckdb.connect(str(path)).close()
+    except duckdb.IOException as exc:
+        found = re.search(r"PID \d+", str(exc))
+        if "lock" in str(exc):
+            return found.group(0) if found else "its lock is held"
+        raise
+    return None
+
+
+def _lock_data_dir(data_dir: Path) -> int | None:
+    """An exclusive lock on a file in the data folder, held for the life of this process (the
+    file descriptor stays open); None when another `tollgate serve` holds it. Taken before
+    anything is written, so two services started at once never both set the folder up."""
+    fd = os.open(DataFolder(data_dir).serve_lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _listen(settings: Settings) -> socket.socket:
+    """The listening address, bound before anything is set up, so a port in use is said at
+    once (and the banner never names an address the service does not hold)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((settings.host, settings.port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
