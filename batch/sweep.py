@@ -38,6 +38,7 @@ that prepare runs, and the commits.
 from __future__ import annotations
 
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -250,45 +251,50 @@ def _sweep_pass(conn: duckdb.DuckDBPyConnection, writer: RunWriter, rated: str,
         def prepare_unless_stopped(index: int) -> PreparedRun | None:
             return None if stop.is_set() else prepare(index)
 
-        with ThreadPoolExecutor(_PREPARERS) as pool:
-            try:
-                queued = 0
-                for position, index in enumerate(kept):
-                    while queued < len(kept) and queued <= position + _PREPARERS:
-                        ahead.append(pool.submit(prepare_unless_stopped, kept[queued]))
-                        queued += 1
-                    writer.look_up_kinds()  # (the first time: while the first chunks are carried)
-                    prepared = ahead.popleft().result()
-                    assert prepared is not None  # (stopped only below)
-                    chunk = chunks[index]
-                    prepared.params = {"buckets": [chunk.first_bucket, chunk.last_bucket]}
-                    if index == len(chunks) - 1 and through is not None:
-                        # Every candidate up to this export id has now been looked at by a sweep.
-                        prepared.params["through_export_id"] = through
-                        prepared.params["through_read_at"] = read_at.isoformat()
-                    waiting.append(prepared)
-                    waiting_events += chunk.events
-                    shutil.rmtree(folder / f"chunk={index}", ignore_errors=True)
-                    # Runs are committed a few at a time (a commit costs the same for one
-                    # run or several): a crash loses at most COMMIT_SECONDS of work.
-                    if (position == len(kept) - 1 or prepared.written is None
-                            or time.monotonic() - last_commit >= COMMIT_SECONDS):
-                        commit_waiting()
-            finally:
-                # After a failure (or a signal to stop: promptly), runs not committed never
-                # reach the lake: their files are removed, and chunks not begun are not.
-                stop.set()
-                for prepared in waiting:
-                    prepared.discard()
-                for future in ahead:
-                    if future.cancel():
-                        continue
-                    try:
-                        left = future.result()
-                    except Exception:  # noqa: BLE001 (the first failure is the one raised)
-                        continue
-                    if left is not None:
-                        left.discard()
+        pool = ThreadPoolExecutor(_PREPARERS)
+        try:
+            queued = 0
+            for position, index in enumerate(kept):
+                while queued < len(kept) and queued <= position + _PREPARERS:
+                    ahead.append(pool.submit(prepare_unless_stopped, kept[queued]))
+                    queued += 1
+                writer.look_up_kinds()  # (the first time: while the first chunks are carried)
+                prepared = ahead.popleft().result()
+                assert prepared is not None  # (stopped only below)
+                chunk = chunks[index]
+                prepared.params = {"buckets": [chunk.first_bucket, chunk.last_bucket]}
+                if index == len(chunks) - 1 and through is not None:
+                    # Every candidate up to this export id has now been looked at by a sweep.
+                    prepared.params["through_export_id"] = through
+                    prepared.params["through_read_at"] = read_at.isoformat()
+                waiting.append(prepared)
+                waiting_events += chunk.events
+                shutil.rmtree(folder / f"chunk={index}", ignore_errors=True)
+                # Runs are committed a few at a time (a commit costs the same for one
+                # run or several): a crash loses at most COMMIT_SECONDS of work.
+                if (position == len(kept) - 1 or prepared.written is None
+                        or time.monotonic() - last_commit >= COMMIT_SECONDS):
+                    commit_waiting()
+        finally:
+            # After a failure (or a signal to stop: promptly), runs not committed never
+            # reach the lake: their files are removed, and chunks not begun are not.
+            stop.set()
+            # Told to stop (a signal, not a failure), the process ends: a chunk being
+            # carried is not waited for (seconds), and the files it may leave are orphans
+            # that compact-lake deletes, as after a crash.
+            stopping = not isinstance(sys.exc_info()[1], (Exception, type(None)))
+            pool.shutdown(wait=not stopping, cancel_futures=True)
+            for prepared in waiting:
+                prepared.discard()
+            for future in ahead if not stopping else ():
+                if future.cancel():
+                    continue
+                try:
+                    left = future.result()
+                except Exception:  # noqa: BLE001 (the first failure is the one raised)
+                    continue
+                if left is not None:
+                    left.discard()
         return runs
     finally:
         shutil.rmtree(folder, ignore_errors=True)

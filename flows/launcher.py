@@ -54,8 +54,8 @@ class FlowScheduler:
         # glibc's tunables for a flow's process apply from its first allocation there.
         return subprocess.Popen(
             [sys.executable, "-m", "flows.scheduler", "--data-dir", str(settings.data_dir),
-             "--parent-pid", str(os.getpid())],
-            start_new_session=True, env=environment(os.environ),
+             "--parent-pid", str(os.getpid()), "--stop-on-eof"],
+            start_new_session=True, env=environment(os.environ), stdin=subprocess.PIPE,
         )
 
     def _watch(self) -> None:
@@ -90,6 +90,11 @@ class FlowScheduler:
             # then stops that server itself. Signalled with it, the server went first and the
             # flow engine retried its API calls past `timeout`.
             proc.send_signal(signal.SIGTERM)
+            # Then the end of its input: the scheduler interrupts the query under way, which
+            # would hold the signal until it ends (the signal first, so the run is taken
+            # for stopped, not failed).
+            if proc.stdin is not None:
+                proc.stdin.close()
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
             log.warning("the flow scheduler did not stop in %.0f s; killing it", timeout)

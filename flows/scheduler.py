@@ -24,6 +24,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,7 +53,35 @@ def _end_with_parent(parent_pid: int | None) -> None:
 
 
 def _exit(signum: int, frame: FrameType | None) -> None:
+    _leave()
+
+
+# Set when the service asks this process to stop through its standard input (`--stop-on-eof`).
+_STOP = threading.Event()
+_PARENT: list[int] = []  # the service's pid, when it gave one
+
+
+def _leave() -> None:
+    """End the process. When the service asked and is still there, at once: the service ends
+    this process's session right after, the temporary Prefect API with it (a graceful stop
+    of that server took up to 8 s, which held `tollgate serve`'s stop). Otherwise through
+    `sys.exit`, whose exit hooks stop that server themselves."""
+    if _STOP.wait(0.5) and _PARENT and os.getppid() == _PARENT[0]:
+        logging.shutdown()
+        os._exit(0)
     sys.exit(0)
+
+
+def _stop_on_eof() -> None:
+    """Wait for the end of standard input, which the service closes when it stops (or dies):
+    then stop, interrupting the DuckDB query under way, which would otherwise hold the
+    SIGTERM that comes with it until the query ends (seconds, mid-sweep)."""
+    while sys.stdin.buffer.read(4096):
+        pass
+    _STOP.set()
+    workspace = sys.modules.get("flows.workspace")  # not imported: no flow has run, no lake
+    if workspace is not None:
+        workspace.interrupt_open_lakes()
 
 
 def _stopped(exc: BaseException) -> bool:
@@ -60,6 +89,8 @@ def _stopped(exc: BaseException) -> bool:
     TerminationSignal from its SIGTERM handler; code under way may wrap it in its own error)."""
     from prefect.exceptions import TerminationSignal
 
+    if _STOP.is_set():
+        return True  # the query under way was interrupted because the service is stopping
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
@@ -78,7 +109,9 @@ def run_schedule(data_dir: Path, schedule: Sequence[Deployment] = SCHEDULED,
     by_name = {d.flow: d for d in schedule}
     while True:
         name = min(due, key=due.__getitem__)
-        time.sleep(max(0.0, due[name] - time.monotonic()))
+        if _STOP.wait(max(0.0, due[name] - time.monotonic())):
+            log.info("stopped by the service")
+            _leave()
         try:
             flow_named(name)(data_dir=str(data_dir))
         except BaseException as exc:
@@ -87,7 +120,7 @@ def run_schedule(data_dir: Path, schedule: Sequence[Deployment] = SCHEDULED,
             # came during a query.
             if _stopped(exc):
                 log.info("flow %s stopped by a signal; its work is left to the next run", name)
-                sys.exit(0)
+                _leave()
             if not isinstance(exc, Exception):
                 raise
             log.exception("flow %s failed; next try at its next time", name)
@@ -103,9 +136,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", required=True)
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="end at once if this process is no longer the parent")
+    parser.add_argument("--stop-on-eof", action="store_true",
+                        help="stop when standard input ends (the service holds its other end)")
     args = parser.parse_args(argv)
     _end_with_parent(args.parent_pid)
+    if args.parent_pid is not None:
+        _PARENT.append(args.parent_pid)
     signal.signal(signal.SIGTERM, _exit)
+    if args.stop_on_eof:
+        threading.Thread(target=_stop_on_eof, name="stop-on-eof", daemon=True).start()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
     for chatty in ("httpx", "httpcore"):  # a line per request to Prefect's API, every minute
         logging.getLogger(chatty).setLevel(logging.WARNING)

@@ -8,6 +8,7 @@ Flows read and write the lake only, never the service's operational file.
 from __future__ import annotations
 
 import os
+import threading
 from datetime import datetime
 from pathlib import Path
 
@@ -22,8 +23,13 @@ from warehouse.catalog_history import latest_catalog_source
 from warehouse.catalog_store import CatalogStore
 from warehouse.lake import connect_lake
 
-__all__ = ["applied_catalog", "close_lake", "open_lake", "parse_instant", "rating_lock",
+__all__ = ["applied_catalog", "close_lake", "interrupt_open_lakes", "open_lake", "parse_instant", "rating_lock",
            "resolve_data_dir", "scratch_dir"]
+
+# The flow connections open in this process, for `interrupt_open_lakes`.
+_OPEN: list[duckdb.DuckDBPyConnection] = []
+_OPEN_LOCK = threading.Lock()
+
 
 def resolve_data_dir(data_dir: str | os.PathLike[str] | None) -> Path:
     """The data folder of a flow's `data_dir` parameter, or of the settings."""
@@ -47,13 +53,26 @@ def open_lake(data_dir: Path) -> duckdb.DuckDBPyConnection:
     conn.execute(f"SET temp_directory = '{spill}'")
     # Rows of a rating run need no order in their files; unordered writes run in parallel.
     conn.execute("SET preserve_insertion_order = false")
+    with _OPEN_LOCK:
+        _OPEN.append(conn)
     return conn
+
+
+def interrupt_open_lakes() -> None:
+    """Interrupt the queries under way on every flow connection of this process (from
+    another thread): a signal reaches Python only between two bytecodes, so a flow in the
+    middle of a long DuckDB query would otherwise hear it only when the query ends."""
+    with _OPEN_LOCK:
+        for conn in _OPEN:
+            conn.interrupt()
 
 
 def close_lake(conn: duckdb.DuckDBPyConnection) -> None:
     """Close a flow's connection and give the memory the process kept for reuse
     (`flows.process_memory`) back to the system: a process that runs flows on a schedule
     holds no more than it needs between them."""
+    with _OPEN_LOCK:
+        _OPEN[:] = [c for c in _OPEN if c is not conn]
     conn.close()
     release_process_memory()
 
