@@ -9,6 +9,7 @@ here is gate SQL written, beside the schema it reads.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
@@ -103,20 +104,20 @@ def last_seqs(conn: duckdb.DuckDBPyConnection) -> tuple[int, int]:
 def record_grants(conn: duckdb.DuckDBPyConnection, rows: list[tuple[Any, ...]]) -> None:
     """Insert grants (realm, account, grant id, amount, effective_at, recorded_at) in one
     transaction; a grant id the realm has already is left as it is."""
-    conn.execute("BEGIN")
-    try:
-        conn.executemany("INSERT INTO grants VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING", rows)
-        conn.execute("COMMIT")
-    except duckdb.Error:
-        conn.execute("ROLLBACK")
-        raise
+    _insert_all(conn, "INSERT INTO grants VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING", rows)
 
 
 def record_expired(conn: duckdb.DuckDBPyConnection, leases: list[tuple[str, datetime]]) -> None:
     """Mark leases (lease_id, expires_at) expired at their time, in one transaction."""
+    _insert_all(conn, "INSERT INTO lease_transitions VALUES (?, 'expired', ?, NULL)", leases)
+
+
+def _insert_all(conn: duckdb.DuckDBPyConnection, sql: str,
+                rows: Sequence[Sequence[object]]) -> None:
+    """`sql` for every row, all in one transaction or none."""
     conn.execute("BEGIN")
     try:
-        conn.executemany("INSERT INTO lease_transitions VALUES (?, 'expired', ?, NULL)", leases)
+        conn.executemany(sql, rows)
         conn.execute("COMMIT")
     except duckdb.Error:
         conn.execute("ROLLBACK")
