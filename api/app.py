@@ -15,7 +15,9 @@ from api.envelope import Reply, TraceIdMiddleware, handle_exception, ok
 from api.events.controller import EventsController, record_event, record_event_batch
 from api.gate import controller as gate
 from api.gate.controller import GateController
+from api.gate.reads import LimitsController
 from api.runtime import Runtime
+from api.wallet.balance import WalletController
 from core.settings import Settings
 
 __all__ = ["create_app"]
@@ -58,7 +60,8 @@ def create_app(settings: Settings, *, on_stop: Sequence[Callable[[], None]] = ()
         await runtime.stop()
 
     app = Litestar(
-        route_handlers=[healthz, healthz_head, EventsController, GateController],
+        route_handlers=[healthz, healthz_head, EventsController, GateController, LimitsController,
+                        WalletController],
         on_startup=[start],
         on_shutdown=[stop],
         exception_handlers={Exception: handle_exception},  # type: ignore[dict-item]
@@ -73,6 +76,8 @@ def create_app(settings: Settings, *, on_stop: Sequence[Callable[[], None]] = ()
         "/mgt/v1/gate/authorize": gate.authorize,
         "/mgt/v1/gate/commits": gate.commit,
         "/mgt/v1/gate/cancel": gate.cancel,
+        "/mgt/v1/gate/commits/batch": gate.commit_batch,
+        "/mgt/v1/gate/ingest": gate.ingest,
         "/mgt/v1/events": record_event,
         "/mgt/v1/events/batch": record_event_batch,
     })

@@ -23,6 +23,7 @@ __all__ = [
     "EventIn",
     "FieldError",
     "LabelValue",
+    "parse_instant",
     "ValidEvent",
     "decode_event",
     "format_instant",
@@ -95,6 +96,11 @@ def format_instant(moment: datetime) -> str:
 
 decode_event = msgspec.json.Decoder(EventIn, float_hook=float_hook).decode
 """Decode one event; integral floats arrive as ints, as canonicalization wants them."""
+
+
+def parse_instant(text: str) -> datetime | None:
+    """An RFC 3339 instant with an offset (at most microseconds kept), or None."""
+    return _parse_instant(text)
 
 
 def _parse_instant(text: str) -> datetime | None:

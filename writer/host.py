@@ -34,7 +34,17 @@ from warehouse.outbox import EventOutbox
 from warehouse.writer import run_writer
 from writer.events.ingest import IngestHandler
 from writer.gate.book import GateBook
-from writer.ops import OPS, AuthorizeOp, CancelOp, CommitOp, IngestOp, RecordOutcomeOp
+from writer.ops import (
+    OPS,
+    AuthorizeOp,
+    CancelOp,
+    CommitBatchOp,
+    CommitOp,
+    IngestOp,
+    RecordOutcomeOp,
+    StandingOp,
+    UsageOp,
+)
 
 __all__ = ["CatalogView", "main"]
 
@@ -116,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         CommitOp: _Adapter(gate.commit),
         CancelOp: _Adapter(gate.cancel),
         RecordOutcomeOp: _Adapter(gate.record_outcome),
+        CommitBatchOp: _Adapter(gate.commit_batch),
+        UsageOp: _Adapter(gate.usage),
+        StandingOp: _Adapter(gate.standing),
     }
 
     def rebuild(s: JournaledStore) -> None:

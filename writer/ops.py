@@ -20,12 +20,17 @@ __all__ = [
     "RESULT_TYPES",
     "AuthorizeOp",
     "CancelOp",
+    "CommitBatchOp",
     "CommitOp",
     "GateOutcome",
     "IdemKey",
     "IngestOp",
     "MeterLine",
+    "QuotaUse",
     "RecordOutcomeOp",
+    "Standing",
+    "StandingOp",
+    "UsageOp",
 ]
 
 
@@ -72,6 +77,7 @@ class AuthorizeOp(msgspec.Struct, tag="authorize", array_like=True, frozen=True)
     estimated_quantity_minor: int
     labels: dict[str, str]
     idem: IdemKey | None
+    at_least_a_block: bool = False  # no estimate sent: hold the price of one block
 
 
 class CommitOp(msgspec.Struct, tag="commit", array_like=True, frozen=True):
@@ -115,6 +121,62 @@ class IngestOp(msgspec.Struct, tag="ingest", array_like=True, frozen=True):
     events: list[EventRecord]
 
 
-OPS = IngestOp | AuthorizeOp | CommitOp | CancelOp | RecordOutcomeOp
+class CommitBatchOp(msgspec.Struct, tag="commit_batch", array_like=True, frozen=True):
+    """Several commits in one call (POST /gate/commits/batch). Each item carries its own
+    idempotency scope; `idem` is the whole batch's Idempotency-Key. The outcome's data holds
+    one outcome per item, in order, under "items"."""
+
+    result_type: ClassVar[Any] = GateOutcome
+    items: list[CommitOp]
+    idem: IdemKey | None
+
+
+class UsageOp(msgspec.Struct, tag="usage", array_like=True, frozen=True):
+    """Usage that ran without a lease (POST /gate/ingest): priced at `occurred_at` and
+    booked like a commit, without any limit check (the work has already happened)."""
+
+    result_type: ClassVar[Any] = GateOutcome
+    realm: str
+    principal_id: str
+    billing_account_id: str
+    feature_code: str
+    quantity_minor: int
+    meters: list[MeterLine] | None
+    labels: dict[str, str]
+    occurred_at: str  # RFC 3339, UTC
+    body_canonical: bytes
+    idem: IdemKey | None
+
+
+class QuotaUse(msgspec.Struct, array_like=True, frozen=True):
+    """A quota's window now: what commits used and what active leases hold."""
+
+    quota_id: str
+    used_minor: int
+    held_minor: int
+
+
+class Standing(msgspec.Struct, array_like=True, frozen=True):
+    """An account's money and a principal's quotas as the gate book has them now."""
+
+    grants: list[tuple[str, int, str]]  # (grant id, amount xusd, effective_at) recorded
+    committed_xusd: int
+    held_xusd: int
+    quotas: list[QuotaUse]
+    as_of: str
+
+
+class StandingOp(msgspec.Struct, tag="standing", array_like=True, frozen=True):
+    """Read the standing of an account (and, when given, the principal's quotas): the
+    balance and limit endpoints. Answered in queue order, so a read sees every write that
+    was answered before it was sent."""
+
+    result_type: ClassVar[Any] = Standing
+    realm: str
+    billing_account_id: str
+    principal_id: str | None
+
+
+OPS = IngestOp | AuthorizeOp | CommitOp | CancelOp | RecordOutcomeOp | CommitBatchOp | UsageOp | StandingOp
 # What each op's outcome decodes as, on the HTTP process's side of the socket.
 RESULT_TYPES: dict[type, Any] = {op: op.result_type for op in OPS.__args__}

@@ -1,4 +1,4 @@
-"""POST /mgt/v1/gate/authorize, /commits and /cancel.
+"""POST /mgt/v1/gate/authorize, /commits, /cancel, /commits/batch and /ingest.
 
 The service checks the signature, the context (principal, its account), the body and the
 rate limits; the writer process decides everything that needs the gate's state (quotas,
@@ -21,17 +21,20 @@ from api.requests import authenticate, read_body
 from api.runtime import Runtime
 from core.constants import INT64_MAX
 from pipelines.catalog import CODE_PATTERN, Realm
+from pipelines.events import format_instant, parse_instant
 from writer.ops import (
     AuthorizeOp,
     CancelOp,
+    CommitBatchOp,
     CommitOp,
     GateOutcome,
     IdemKey,
     MeterLine,
     RecordOutcomeOp,
+    UsageOp,
 )
 
-__all__ = ["GateController", "authorize", "cancel", "commit"]
+__all__ = ["GateController", "authorize", "cancel", "commit", "commit_batch", "gate_context", "ingest"]
 
 _INT = re.compile(r"[0-9]+")
 _INT64_DIGITS = len(str(INT64_MAX))
@@ -90,6 +93,24 @@ class _Fields:
             return ""
         return value
 
+    def meters(self) -> list[MeterLine] | None:
+        raw_meters = self.body.get("meters")
+        if raw_meters is None:
+            return None
+        if not isinstance(raw_meters, list) or not 1 <= len(raw_meters) <= 64:
+            self.fault("meters", "VALIDATION.INVALID_TYPE", "meters must be an array of 1 to 64 meter entries")
+            return None
+        meters = []
+        for i, entry in enumerate(raw_meters):
+            if not isinstance(entry, dict):
+                self.fault(f"meters[{i}]", "VALIDATION.INVALID_TYPE", "a meter entry must be an object")
+                continue
+            code = self.code("meter_code", entry.get("meter_code"), field=f"meters[{i}].meter_code")
+            qty = self.quantity("quantity_minor", entry.get("quantity_minor"), field=f"meters[{i}].quantity_minor")
+            if code is not None and qty is not None:
+                meters.append(MeterLine(code, qty))
+        return meters
+
     def labels(self) -> dict[str, str]:
         value = self.body.get("labels")
         if value is None:
@@ -119,6 +140,14 @@ class GateController(Controller):
     async def cancel(self, request: Request[Any, Any, Any]) -> Reply:
         return await cancel(request)
 
+    @post("/commits/batch", operation_id="gate_commit_batch", status_code=200)
+    async def commit_batch(self, request: Request[Any, Any, Any]) -> Reply:
+        return await commit_batch(request)
+
+    @post("/ingest", operation_id="gate_ingest", status_code=200)
+    async def ingest(self, request: Request[Any, Any, Any]) -> Reply:
+        return await ingest(request)
+
 
 # The handlers, callable with a Litestar request or an `api.direct.DirectRequest`.
 async def authorize(request: Any) -> Reply:
@@ -133,10 +162,18 @@ async def cancel(request: Any) -> Reply:
     return await _handle(request, "cancel", _cancel)
 
 
+async def commit_batch(request: Any) -> Reply:
+    return await _handle(request, "commits/batch", _commit_batch)
+
+
+async def ingest(request: Any) -> Reply:
+    return await _handle(request, "ingest", _ingest)
+
+
 class _Call:
     """The context of one gate call, after authentication."""
 
-    __slots__ = ("runtime", "ctx", "realm", "principal", "account", "body", "idem")
+    __slots__ = ("runtime", "ctx", "realm", "principal", "account", "body", "idem", "replayed")
 
     def __init__(self, runtime: Runtime, ctx: AuthContext, realm: Realm, principal: str, account: str,
                  body: dict[str, Any], idem: IdemKey | None) -> None:
@@ -147,12 +184,12 @@ class _Call:
         self.account = account
         self.body = body
         self.idem = idem
+        self.replayed = False
 
 
-async def _handle(request: Any, endpoint: str, decide: Any) -> Reply:
-    runtime: Runtime = request.app.state.runtime
-    raw = await read_body(request)
-    ctx = authenticate(runtime, request, raw)
+def gate_context(runtime: Runtime, ctx: AuthContext) -> tuple[Realm, str, str]:
+    """The realm, principal and billing account of a gate call: the principal is required
+    and names its account; an X-Billing-Account-Id, when sent, must be that account."""
     if not ctx.principal_id:
         raise BadRequest("VALIDATION.MISSING_CONTEXT", "the X-Principal-Id header is required for gate calls")
     realm = runtime.realm(ctx)
@@ -162,6 +199,15 @@ async def _handle(request: Any, endpoint: str, decide: Any) -> Reply:
     if ctx.billing_account_id and ctx.billing_account_id != account:
         raise Forbidden("AUTH.BILLING_ACCOUNT_MISMATCH",
                         "X-Billing-Account-Id is not the principal's billing account")
+    return realm, ctx.principal_id, account
+
+
+async def _handle(request: Any, endpoint: str, decide: Any) -> Reply:
+    runtime: Runtime = request.app.state.runtime
+    raw = await read_body(request)
+    ctx = authenticate(runtime, request, raw)
+    realm, _, account = gate_context(runtime, ctx)
+    assert ctx.principal_id is not None
     try:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
@@ -210,7 +256,10 @@ async def _authorize(call: _Call) -> GateOutcome:
     family = f.body.get("feature_family_code")
     if family is not None:
         family = f.code("feature_family_code")
-    estimate = f.quantity("estimated_quantity_minor")
+    # Absent, the estimate is 0 and the hold is the price of one block of the feature's
+    # primary meter (docs/api.md): the official client declares the field optional.
+    at_least_a_block = f.body.get("estimated_quantity_minor") is None
+    estimate = 0 if at_least_a_block else f.quantity("estimated_quantity_minor")
     labels = f.labels()
     if f.errors:
         return await _settle(call, _invalid(f.errors))
@@ -233,7 +282,7 @@ async def _authorize(call: _Call) -> GateOutcome:
             return await call.runtime.write(RecordOutcomeOp(call.idem, limited))  # type: ignore[no-any-return]
         return limited
     op = AuthorizeOp(call.realm.id, call.principal, call.account, call.ctx.user_id, feature.code,
-                     estimate, labels, call.idem)  # type: ignore[arg-type]
+                     estimate, labels, call.idem, at_least_a_block)  # type: ignore[arg-type]
     return await call.runtime.write(op)  # type: ignore[no-any-return]
 
 
@@ -242,21 +291,7 @@ async def _commit(call: _Call) -> GateOutcome:
     token = f.token()
     feature_code = f.code("feature_code")
     quantity = f.quantity("quantity_minor")
-    meters: list[MeterLine] | None = None
-    raw_meters = call.body.get("meters")
-    if raw_meters is not None:
-        if not isinstance(raw_meters, list) or len(raw_meters) > 64:
-            f.fault("meters", "VALIDATION.INVALID_TYPE", "meters must be an array of at most 64 meter entries")
-        else:
-            meters = []
-            for i, entry in enumerate(raw_meters):
-                if not isinstance(entry, dict):
-                    f.fault(f"meters[{i}]", "VALIDATION.INVALID_TYPE", "a meter entry must be an object")
-                    continue
-                code = f.code("meter_code", entry.get("meter_code"), field=f"meters[{i}].meter_code")
-                qty = f.quantity("quantity_minor", entry.get("quantity_minor"), field=f"meters[{i}].quantity_minor")
-                if code is not None and qty is not None:
-                    meters.append(MeterLine(code, qty))
+    meters = f.meters()
     labels = f.labels()
     if f.errors:
         return await _settle(call, _invalid(f.errors))
@@ -274,6 +309,138 @@ async def _cancel(call: _Call) -> GateOutcome:
     if f.errors:
         return await _settle(call, _invalid(f.errors))
     return await call.runtime.write(CancelOp(call.realm.id, call.principal, token, reason, call.idem))  # type: ignore[arg-type,no-any-return]
+
+
+MAX_BATCH_ITEMS = 100
+# An item's error as the official client's ErrorObject names it (`type`), with the code.
+_ERROR_TYPES = {
+    "LEASE.NOT_FOUND": "invalid_lease",
+    "LEASE.FEATURE_MISMATCH": "feature_mismatch",
+    "FEATURE.METER_NOT_ALLOWED": "meter_not_allowed_for_feature",
+    "LEASE.ALREADY_COMMITTED": "conflict",
+    "LEASE.CANCELLED": "conflict",
+    "IDEMPOTENCY.CONFLICT": "conflict",
+}
+
+
+def _item_error(code: str, message: str, errors: list[dict[str, Any]]) -> dict[str, Any]:
+    kind = _ERROR_TYPES.get(code, "invalid_request" if code.startswith("VALIDATION.") else code.lower())
+    error: dict[str, Any] = {"type": kind, "code": code, "details": message}
+    if errors:
+        error["errors"] = errors
+    return error
+
+
+async def _commit_batch(call: _Call) -> GateOutcome:
+    """Up to 100 commits, each checked here and decided by the writer as a commit of its own
+    under its own idempotency scope: (principal, lease, the item's idempotency_key)."""
+    items = call.body.get("items")
+    if not isinstance(items, list) or not 1 <= len(items) <= MAX_BATCH_ITEMS:
+        return await _settle(call, _invalid([{"field": "items", "code": "VALIDATION.INVALID_VALUE",
+                                              "message": f"items must be an array of 1 to {MAX_BATCH_ITEMS} commits"}]))
+    advice = call.body.get("merge_advice")
+    if advice is not None and advice not in ("none", "by_pricing_fingerprint"):
+        return await _settle(call, _invalid([{"field": "merge_advice", "code": "VALIDATION.INVALID_VALUE",
+                                              "message": "merge_advice must be none or by_pricing_fingerprint"}]))
+    results: list[dict[str, Any] | None] = [None] * len(items)
+    ops: list[CommitOp] = []
+    placed: list[int] = []
+    for index, item in enumerate(items):
+        if not isinstance(item, dict):
+            results[index] = {"index": index, "status": "invalid", "error": _item_error(
+                "VALIDATION.INVALID_TYPE", "an item must be an object", [])}
+            continue
+        f = _Fields(item)
+        token = f.token()
+        feature_code = f.code("feature_code")
+        quantity = f.quantity("quantity_minor")
+        meters = f.meters()
+        labels = f.labels()
+        key = item.get("idempotency_key")
+        if key is None:
+            f.fault("idempotency_key", "VALIDATION.REQUIRED", "idempotency_key is required")
+        elif not isinstance(key, str) or not 1 <= len(key) <= 255:
+            f.fault("idempotency_key", "VALIDATION.INVALID_VALUE", "idempotency_key must be 1-255 characters")
+        if f.errors:
+            results[index] = {"index": index, "status": "invalid", "error": _item_error(
+                "VALIDATION.INVALID_INPUT", "the item is invalid",
+                [{**e, "field": f"items[{index}].{e['field']}"} for e in f.errors])}
+            continue
+        body = {k: v for k, v in item.items() if k != "idempotency_key"}
+        canonical = _sorted(body)
+        scope_key = f"{hashlib.sha256((token or '').encode()).hexdigest()}:{key}"
+        idem = IdemKey(call.realm.id, call.principal, "commits/batch.item", scope_key,
+                       hashlib.sha256(canonical).hexdigest())
+        ops.append(CommitOp(call.realm.id, call.principal, call.account, token, feature_code,  # type: ignore[arg-type]
+                            quantity, meters or None, labels, canonical, idem))  # type: ignore[arg-type]
+        placed.append(index)
+    if ops:
+        outcome: GateOutcome = await call.runtime.write(CommitBatchOp(ops, call.idem))
+        if outcome.status != 200 or outcome.data is None:  # the batch's own key: a replay conflict
+            return outcome
+        if outcome.replayed:
+            call.replayed = True
+        for index, item_outcome in zip(placed, outcome.data["items"], strict=True):
+            results[index] = _item_result(index, item_outcome)
+    elif call.idem is not None:
+        outcome = await call.runtime.write(RecordOutcomeOp(call.idem, GateOutcome(status=200, data={"items": []})))
+        if outcome.status != 200:
+            return outcome
+        call.replayed = outcome.replayed
+    done = [r for r in results if r is not None]
+    committed = sum(1 for r in done if r["status"] in ("committed", "duplicate"))
+    return GateOutcome(status=200, data={"items": done, "committed_count": committed,
+                                         "failed_count": len(done) - committed},
+                       replayed=call.replayed)
+
+
+def _item_result(index: int, outcome: dict[str, Any]) -> dict[str, Any]:
+    status = outcome["status"]
+    if 200 <= status < 300:
+        return {"index": index, "status": "duplicate" if outcome["replayed"] else "committed",
+                "commit": outcome["data"]}
+    return {"index": index, "status": "invalid" if status == 422 else "failed",
+            "error": _item_error(outcome["code"], outcome["message"], outcome["errors"])}
+
+
+async def _ingest(call: _Call) -> GateOutcome:
+    """Usage that ran without a lease: priced at its occurred_at (now when absent) and booked
+    like a commit, with no limit checked (docs/api.md)."""
+    f = _Fields(call.body)
+    feature_code = f.code("feature_code")
+    meters = f.meters()
+    quantity: int | None = 0
+    if call.body.get("quantity_minor") is not None or meters is None:
+        quantity = f.quantity("quantity_minor")
+    labels = f.labels()
+    now = call.runtime.clock.now()
+    at = now
+    raw_at = call.body.get("occurred_at")
+    if raw_at is not None:
+        parsed = parse_instant(raw_at) if isinstance(raw_at, str) else None
+        if parsed is None:
+            f.fault("occurred_at", "VALIDATION.INVALID_TIMESTAMP", "occurred_at must be an RFC 3339 instant")
+        elif (parsed - now).total_seconds() > call.realm.settings.max_future_skew_seconds:
+            f.fault("occurred_at", "VALIDATION.INVALID_TIMESTAMP",
+                    f"occurred_at is more than {call.realm.settings.max_future_skew_seconds} s in the future")
+        else:
+            at = parsed
+    for name in ("budget_id",):
+        value = call.body.get(name)
+        if value is not None and (not isinstance(value, str) or len(value) > 128):
+            f.fault(name, "VALIDATION.INVALID_VALUE", f"{name} must be a string of at most 128 characters")
+    metadata = call.body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        f.fault("metadata", "VALIDATION.INVALID_TYPE", "metadata must be an object")
+    if f.errors:
+        return await _settle(call, _invalid(f.errors))
+    feature = call.realm.features.get(feature_code)  # type: ignore[arg-type]
+    if meters and call.body.get("quantity_minor") is None and feature is not None:
+        # The feature's quantity is counted in its primary meter (as authorize estimates are).
+        quantity = sum(m.quantity_minor for m in meters if m.meter_code == feature.primary_meter)
+    op = UsageOp(call.realm.id, call.principal, call.account, feature_code, quantity,  # type: ignore[arg-type]
+                 meters or None, labels, format_instant(at), _sorted(call.body), call.idem)
+    return await call.runtime.write(op)  # type: ignore[no-any-return]
 
 
 def _render(trace_id: str, outcome: GateOutcome) -> Reply:

@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 
 from pipelines.catalog import Realm
 
-__all__ = ["RateLimiter", "RateRefusal"]
+__all__ = ["RateLimiter", "RateRefusal", "RateWindowUse"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +21,16 @@ class RateRefusal:
     limit: int
     reset_at: datetime
     retry_after_seconds: int
+
+
+@dataclass(frozen=True, slots=True)
+class RateWindowUse:
+    rate_limit_id: str
+    scope: str
+    limit: int
+    used: int
+    window_start: datetime
+    window_end: datetime
 
 
 class RateLimiter:
@@ -50,3 +60,21 @@ class RateLimiter:
         for key, value in counted:
             self._windows[key] = value
         return None
+
+    def windows(self, realm: Realm, feature_code: str, principal: str, account: str,
+                now: datetime) -> list[RateWindowUse]:
+        """The windows open now of every rate limit of the feature, counting nothing."""
+        stamp = now.timestamp()
+        out = []
+        for rule in realm.rate_limits:
+            if rule.feature != feature_code:
+                continue
+            sid = principal if rule.scope == "principal" else account
+            window = int(stamp // rule.per_seconds)
+            current, count = self._windows.get((realm.id, rule.rate_limit_id, sid), (window, 0))
+            used = count if current == window else 0
+            out.append(RateWindowUse(
+                rule.rate_limit_id, rule.scope, rule.limit, used,
+                datetime.fromtimestamp(window * rule.per_seconds, tz=timezone.utc),
+                datetime.fromtimestamp((window + 1) * rule.per_seconds, tz=timezone.utc)))
+        return out

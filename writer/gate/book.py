@@ -17,14 +17,12 @@ is `warehouse.gate_store`.
 from __future__ import annotations
 
 import base64
-import bisect
 import functools
 import hashlib
 import heapq
 import os
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -35,6 +33,7 @@ from core.clock import Clock
 from core.constants import INT64_MAX
 from pipelines.catalog import Budget, Catalog, Feature, Quota, Realm
 from pipelines.events import format_instant
+from pipelines.price_index import PriceIndex, price_fingerprint
 from pipelines.pricing import PricedLine, PriceRow, price_line, quote
 from warehouse.gate_store import (
     carried_remainders,
@@ -50,7 +49,19 @@ from warehouse.gate_store import (
 from warehouse.writer import Transaction
 from writer.gate.checks import CHECKS, Ask
 from writer.gate.state import Holds, Lease, Tally
-from writer.ops import AuthorizeOp, CancelOp, CommitOp, GateOutcome, IdemKey, RecordOutcomeOp
+from writer.ops import (
+    AuthorizeOp,
+    CancelOp,
+    CommitBatchOp,
+    CommitOp,
+    GateOutcome,
+    IdemKey,
+    QuotaUse,
+    RecordOutcomeOp,
+    Standing,
+    StandingOp,
+    UsageOp,
+)
 
 __all__ = ["GateBook", "token_digest"]
 
@@ -89,44 +100,6 @@ def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-@dataclass(slots=True)
-class PriceIndex:
-    """Price rows of one realm by meter, sorted by effective_at, for the hot path."""
-
-    by_meter: dict[str, tuple[list[datetime], list[PriceRow]]] = field(default_factory=dict)
-
-    @staticmethod
-    def of(realm: Realm) -> PriceIndex:
-        rows: dict[str, list[tuple[datetime, PriceRow]]] = defaultdict(list)
-        for p in realm.prices:
-            rows[p.meter].append((p.effective_at, PriceRow(
-                price_id=p.price_id, meter_code=p.meter, unit_price_xusd=p.unit_price_xusd,
-                unit_quantity_minor=p.unit_quantity_minor, rounding=p.rounding,
-                effective_at=p.effective_at.isoformat())))
-        index = PriceIndex()
-        for meter, items in rows.items():
-            items.sort(key=lambda t: t[0])
-            index.by_meter[meter] = ([t[0] for t in items], [t[1] for t in items])
-        return index
-
-    def at(self, meter: str, moment: datetime) -> PriceRow | None:
-        """The row in force at `moment`: greatest effective_at <= moment (as select_price)."""
-        found = self.by_meter.get(meter)
-        if not found:
-            return None
-        i = bisect.bisect_right(found[0], moment)
-        return found[1][i - 1] if i else None
-
-
-@functools.lru_cache(maxsize=4096)
-def _fingerprint(row: PriceRow) -> str:
-    """The row's id and terms, hashed: what a commit line reports, and the key its carried
-    remainder is kept under, so a row whose terms change in a re-applied catalog starts its
-    carry afresh instead of carrying a remainder measured in other blocks."""
-    text = f"{row.price_id}|{row.unit_price_xusd}|{row.unit_quantity_minor}|{row.rounding}"
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
 def _error(status: int, code: str, message: str, **extra: Any) -> GateOutcome:
     return GateOutcome(status=status, code=code, message=message, **extra)
 
@@ -144,7 +117,7 @@ def _price_lines(prices: PriceIndex, lines: list[tuple[str, int]], now: datetime
         if row is None:
             out.append((meter, qty, None, None))
             continue
-        key = (meter, _fingerprint(row))
+        key = (meter, price_fingerprint(row))
         priced = price_line(row, qty, carry[key] if key in carry else carried(*key))
         carry[key] = priced.remainder_after
         total += priced.amount_xusd
@@ -172,6 +145,7 @@ class GateBook:
         self.committed: dict[tuple[str, str], int] = defaultdict(int)
         self.grants: dict[tuple[str, str], list[tuple[datetime, int]]] = defaultdict(list)
         self.grant_ids: set[tuple[str, str]] = set()
+        self.grant_rows: dict[tuple[str, str], list[tuple[str, int, datetime]]] = defaultdict(list)
         self.carry: dict[tuple[str, str, str, str], int] = {}
         self.idempotency: dict[tuple[str, str, str, str], tuple[str, GateOutcome, datetime]] = {}
         since = now - ENDED_LEASE_MEMORY
@@ -194,6 +168,7 @@ class GateBook:
             self.committed[(realm, account)] = int(total)
         for realm, account, gid, amount, eff in recorded_grants(conn):
             self.grants[(realm, account)].append((eff, amount))
+            self.grant_rows[(realm, account)].append((gid, amount, eff))
             self.grant_ids.add((realm, gid))
         for realm, account, meter, fingerprint, remainder in carried_remainders(conn):
             self.carry[(realm, account, meter, fingerprint)] = int(remainder)
@@ -220,6 +195,7 @@ class GateBook:
         record_grants(conn, new)
         for realm_id, account_id, gid, amount, eff, _ in new:
             self.grants[(realm_id, account_id)].append((eff, amount))
+            self.grant_rows[(realm_id, account_id)].append((gid, amount, eff))
             self.grant_ids.add((realm_id, gid))
 
     def _prices(self, realm: Realm) -> PriceIndex:
@@ -277,6 +253,8 @@ class GateBook:
         estimate = op.estimated_quantity_minor
         row = self._prices(realm).at(feature.primary_meter, now)
         cost = quote(row, estimate) if row is not None else 0
+        if op.at_least_a_block and row is not None:
+            cost = max(cost, row.unit_price_xusd)
         quotas = self._quotas(realm, feature, account.id)
         budgets = self._budgets(realm, feature, account.id)
         ask = Ask(realm=realm, feature=feature, account=account, principal_id=op.principal_id,
@@ -377,9 +355,34 @@ class GateBook:
         expired = lease.state == "expired" or now >= lease.expires_at
         if expired:
             hints.append({"type": "lease.expired", "expires_at": format_instant(lease.expires_at)})
+        booked = self._book(tx, realm, feature, lease.account, lease.principal_id, lease.lease_id,
+                            lines, op.quantity_minor, now, hints)
+        if isinstance(booked, GateOutcome):
+            return booked
+        commit_id, total, data = booked
+        if lease.state == "active":
+            self.holds.change(lease, -1)
+        lease.state = "committed"
+        lease.ended_at = now
+        data["lease_id"] = lease.lease_id
+        outcome = GateOutcome(status=200, data=data, hints=hints)
+        lease.commit_body = op.body_canonical
+        lease.commit_outcome = outcome
+        tx.stage("commits", (self.commit_seq, commit_id, lease.lease_id, realm.id, lease.account,
+                             lease.principal_id, lease.feature_code, op.quantity_minor, total, now, expired,
+                             op.body_canonical.decode(), _encode(outcome).decode(),
+                             _encode(op.labels).decode()))
+        return outcome
+
+    def _book(self, tx: Transaction, realm: Realm, feature: Feature, account: str, principal: str,
+              lease_id: str, lines: list[tuple[str, int]], quantity: int, at: datetime,
+              hints: list[dict[str, Any]]) -> GateOutcome | tuple[str, int, dict[str, Any]]:
+        """Price `lines` with the rows in force at `at`, stage the commit's lines and count
+        its usage on `at`'s day: what a commit and an ingest share. Returns the commit id,
+        its amount and the reply's data, or the refusal of an amount beyond the ledger."""
         prices = self._prices(realm)
-        planned = _price_lines(prices, lines, now, lambda meter, fingerprint: self.carry.get(
-            (realm.id, lease.account, meter, fingerprint), 0))
+        planned = _price_lines(prices, lines, at, lambda meter, fingerprint: self.carry.get(
+            (realm.id, account, meter, fingerprint), 0))
         if planned is None:
             return _error(422, "VALIDATION.INVALID_INPUT",
                           f"the commit's amount is beyond what the ledger holds ({INT64_MAX} xusd)",
@@ -399,16 +402,16 @@ class GateBook:
                 price_id = unit_price = unit_qty = rounding = fingerprint = None
             else:
                 carried = priced.carried
-                fingerprint = _fingerprint(row)
-                self.carry[(realm.id, lease.account, meter, fingerprint)] = remainder = priced.remainder_after
+                fingerprint = price_fingerprint(row)
+                self.carry[(realm.id, account, meter, fingerprint)] = remainder = priced.remainder_after
                 amount = priced.amount_xusd
                 price_id, unit_price, unit_qty, rounding = (
                     row.price_id, row.unit_price_xusd, row.unit_quantity_minor, row.rounding)
             total += amount
-            tx.stage("commit_lines", (self.line_seq, line_id, commit_id, lease.lease_id, realm.id,
-                                      lease.account, lease.principal_id, lease.feature_code, meter, qty,
+            tx.stage("commit_lines", (self.line_seq, line_id, commit_id, lease_id, realm.id,
+                                      account, principal, feature.code, meter, qty,
                                       price_id, unit_price, unit_qty, rounding, carried, remainder,
-                                      amount, fingerprint, now))
+                                      amount, fingerprint, at))
             out_lines.append({
                 "line_id": line_id, "meter_code": meter, "quantity_minor": str(qty),
                 "unit_price_xusd": str(unit_price or 0), "unit_quantity_minor": str(unit_qty or 1),
@@ -416,25 +419,87 @@ class GateBook:
             })
         if unpriced:
             hints.append({"type": "pricing.not_configured", "feature_code": feature.code, "meters": unpriced})
-
-        if lease.state == "active":
-            self.holds.change(lease, -1)
-        lease.state = "committed"
-        lease.ended_at = now
-        self.tally.add(realm.id, lease.account, lease.principal_id, lease.feature_code, now.date(),
-                       op.quantity_minor, total)
-        self.committed[(realm.id, lease.account)] += total
-        balance = self.balance(realm.id, lease.account, now)
+        self.tally.add(realm.id, account, principal, feature.code, at.date(), quantity, total)
+        self.committed[(realm.id, account)] += total
+        balance = self.balance(realm.id, account, tx.now)
         data = {"commit_id": commit_id, "amount_xusd": str(total), "lines": out_lines,
-                "balance_xusd": str(balance), "lease_id": lease.lease_id}
+                "balance_xusd": str(balance)}
+        return commit_id, total, data
+
+    # ---- commit batch -------------------------------------------------------------------------
+    def commit_batch(self, tx: Transaction, op: CommitBatchOp) -> Callable[[], GateOutcome]:
+        result = self._with_idempotency(tx, op.idem, lambda: self._commit_batch(tx, op))
+        return lambda: result
+
+    def _commit_batch(self, tx: Transaction, op: CommitBatchOp) -> GateOutcome:
+        """Each item as its own commit, in order, each under its own idempotency scope; the
+        batch answers 200 with one outcome per item (a refused item does not stop the rest)."""
+        items = []
+        for item in op.items:
+            outcome = self._with_idempotency(tx, item.idem, functools.partial(self._commit, tx, item))
+            items.append({"status": outcome.status, "code": outcome.code, "message": outcome.message,
+                          "data": outcome.data, "errors": outcome.errors, "hints": outcome.hints,
+                          "replayed": outcome.replayed})
+        return GateOutcome(status=200, data={"items": items})
+
+    # ---- usage without a lease ------------------------------------------------------------------
+    def usage(self, tx: Transaction, op: UsageOp) -> Callable[[], GateOutcome]:
+        result = self._with_idempotency(tx, op.idem, lambda: self._usage(tx, op))
+        return lambda: result
+
+    def _usage(self, tx: Transaction, op: UsageOp) -> GateOutcome:
+        catalog = self._catalog()
+        realm = catalog.realms.get(op.realm)
+        feature = realm.features.get(op.feature_code) if realm else None
+        if realm is None or feature is None or not feature.active:
+            return _error(422, "RESOURCE.NOT_FOUND", f"unknown or inactive feature {op.feature_code!r}")
+        if op.billing_account_id not in realm.accounts:
+            return _error(422, "RESOURCE.NOT_FOUND", f"unknown billing account {op.billing_account_id!r}")
+        if op.meters:
+            bad = [(i, m.meter_code) for i, m in enumerate(op.meters) if m.meter_code not in feature.meters]
+            if bad:
+                return _error(422, "FEATURE.METER_NOT_ALLOWED",
+                              f"meters not allowed for {feature.code}: {', '.join(m for _, m in bad)}",
+                              errors=[{"field": f"meters[{i}].meter_code", "code": "FEATURE.METER_NOT_ALLOWED",
+                                       "message": f"{m} is not a meter of {feature.code}"} for i, m in bad])
+            lines = [(m.meter_code, m.quantity_minor) for m in op.meters]
+        else:
+            lines = [(feature.primary_meter, op.quantity_minor)]
+        at = datetime.fromisoformat(op.occurred_at)
+        hints: list[dict[str, Any]] = []
+        booked = self._book(tx, realm, feature, op.billing_account_id, op.principal_id, "",
+                            lines, op.quantity_minor, at, hints)
+        if isinstance(booked, GateOutcome):
+            return booked
+        commit_id, total, data = booked
         outcome = GateOutcome(status=200, data=data, hints=hints)
-        lease.commit_body = op.body_canonical
-        lease.commit_outcome = outcome
-        tx.stage("commits", (self.commit_seq, commit_id, lease.lease_id, realm.id, lease.account,
-                             lease.principal_id, lease.feature_code, op.quantity_minor, total, now, expired,
+        tx.stage("commits", (self.commit_seq, commit_id, "", realm.id, op.billing_account_id,
+                             op.principal_id, feature.code, op.quantity_minor, total, at, False,
                              op.body_canonical.decode(), _encode(outcome).decode(),
                              _encode(op.labels).decode()))
         return outcome
+
+    # ---- reads ----------------------------------------------------------------------------------
+    def standing(self, tx: Transaction, op: StandingOp) -> Callable[[], Standing]:
+        """The account's grants, committed and held amounts, and (with a principal) the use of
+        every quota that applies to the principal's calls, in the windows open now."""
+        today = tx.now.date()
+        quotas: list[QuotaUse] = []
+        realm = self._catalog().realms.get(op.realm)
+        if realm is not None and op.principal_id is not None:
+            for q in realm.quotas:
+                if q.accounts is not None and op.billing_account_id not in q.accounts:
+                    continue
+                sid = op.principal_id if q.scope == "principal" else op.billing_account_id
+                used, _ = self.tally.window(op.realm, q.scope, sid, q.window, today, (q.feature,))
+                held, _ = self.holds.held(op.realm, q.scope, sid, (q.feature,))
+                quotas.append(QuotaUse(q.quota_id, used, held))
+        grants = [(gid, amount, format_instant(eff))
+                  for gid, amount, eff in self.grant_rows.get((op.realm, op.billing_account_id), ())]
+        result = Standing(grants=grants, committed_xusd=self.committed.get((op.realm, op.billing_account_id), 0),
+                          held_xusd=self.holds.funding.get((op.realm, op.billing_account_id), 0),
+                          quotas=quotas, as_of=format_instant(tx.now))
+        return lambda: result
 
     # ---- cancel -------------------------------------------------------------------------------
     def cancel(self, tx: Transaction, op: CancelOp) -> Callable[[], GateOutcome]:

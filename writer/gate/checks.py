@@ -24,6 +24,7 @@ __all__ = ["CHECKS", "LOW_HEADROOM_DIVISOR", "Ask", "Check", "Standing", "check_
 
 # A success hints at low headroom below a fifth of the limit (integers: no float near money).
 LOW_HEADROOM_DIVISOR = 5
+_PERIODIC = {"day": "daily", "month": "monthly"}
 
 
 # Not frozen: on the authorize path a frozen dataclass of these ten fields took 4.6 us to
@@ -77,8 +78,8 @@ def check_quotas(book: Standing, ask: Ask, hints: list[dict[str, Any]]) -> GateO
         remaining = q.limit_minor - used - held
         if estimate > remaining:
             return GateOutcome(status=402, code="QUOTA.EXHAUSTED",
-                               message=f"quota {q.quota_id} ({q.window}) has {max(0, remaining)} left, "
-                                       f"{estimate} asked",
+                               message=f"the {_PERIODIC[q.window]} quota on {feature.code} per {q.scope} "
+                                       f"({q.quota_id}) has {max(0, remaining)} left, {estimate} asked",
                                hints=[{"type": "quota.remaining", "max_quantity_minor": max(0, remaining)}])
         after = remaining - estimate
         if after * LOW_HEADROOM_DIVISOR < q.limit_minor:
