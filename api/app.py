@@ -16,6 +16,7 @@ from api.events.controller import EventsController, record_event, record_event_b
 from api.gate import controller as gate
 from api.gate.controller import GateController
 from api.gate.reads import LimitsController
+from api.reports import ReportsController
 from api.runtime import Runtime
 from api.wallet.balance import WalletController
 from core.settings import Settings
@@ -61,7 +62,7 @@ def create_app(settings: Settings, *, on_stop: Sequence[Callable[[], None]] = ()
 
     app = Litestar(
         route_handlers=[healthz, healthz_head, EventsController, GateController, LimitsController,
-                        WalletController],
+                        WalletController, ReportsController],
         on_startup=[start],
         on_shutdown=[stop],
         exception_handlers={Exception: handle_exception},  # type: ignore[dict-item]

@@ -26,6 +26,7 @@ from core.settings import Settings
 from pipelines.catalog import Catalog, CatalogInvalid, Realm, load_catalog
 from warehouse.catalog_store import CatalogStore
 from warehouse.keys import ServiceKeyStore
+from warehouse.usage_query import LakeReader
 from warehouse.writer import RemoteFailure, WriterClient
 from writer.ops import RESULT_TYPES
 
@@ -49,6 +50,8 @@ class Runtime:
         # Idempotency scopes whose first request is still being answered (409 IN_PROGRESS).
         self.idempotency_in_flight: set[tuple[str, str, str, str]] = set()
         self.ready = False
+        # The lake, read by POST /reports/usage: attached on first use.
+        self.lake_reader = LakeReader(settings.data_dir)
 
     # ---- life cycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -74,6 +77,7 @@ class Runtime:
 
     async def stop(self) -> None:
         self.ready = False
+        self.lake_reader.close()
         for task in self._tasks:
             task.cancel()
         if hasattr(self, "writer"):

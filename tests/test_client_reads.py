@@ -4,6 +4,7 @@ each response validated by the client's own model, values checked by hand."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -248,3 +249,47 @@ def test_reads_need_their_context(svc: Service) -> None:
     mismatch = svc.request("GET", "/mgt/v1/wallet/balance", account="acct_post", principal="p1")
     assert mismatch.status_code == 403
 
+
+
+def test_usage_report_sums_the_commits_in_the_lake(svc: Service) -> None:
+    """Runs after the batch test above: acct_batch (principal p4) committed 2000 + 1000 tok
+    (300 + 150 xusd, with carry) and 3000 out (1800 xusd) today."""
+    query = {"time": {"from": "2026-11-01T00:00:00Z", "to": "2027-01-01T00:00:00Z", "granularity": "month"},
+             "group_by": ["meter_code"], "metrics": ["quantity_minor", "amount_xusd", "line_count", "commit_count"]}
+
+    async def go() -> Any:
+        client = client_of(svc)
+        deadline = time.monotonic() + 30
+        while True:  # the exporter ships commits to the lake within seconds
+            reply = await client.gate_query_usage_reports(body=query, context=RequestContext(principal_id="p4"))
+            if len(reply.data.rows) == 2 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.5)
+        total = await client.gate_query_usage_reports(body={**query, "group_by": ["bucket_start"],
+                                                            "aggregate": "total"},
+                                                      context=RequestContext(principal_id="p4"))
+        await client.close()
+        return reply, total
+    reply, total = run(go())
+    assert reply.ok
+    rows = {r.meter_code: r for r in reply.data.rows}
+    assert set(rows) == {"tok", "out"}
+    assert (rows["tok"].quantity_minor, rows["tok"].amount_xusd, rows["tok"].line_count) == ("3000", "450", 2)
+    assert (rows["out"].quantity_minor, rows["out"].amount_xusd, rows["out"].commit_count) == ("3000", "1800", 0)
+    assert rows["tok"].bucket_start.isoformat() == "2026-11-01T00:00:00+00:00"
+    assert reply.data.totals["amount_xusd"] == "2250"
+    [only] = total.data.rows
+    assert only.amount_xusd == "2250" and only.bucket_start.isoformat().startswith("2026-11-01T00:00:00")
+
+
+def test_usage_report_refuses_what_tollgate_does_not_record(svc: Service) -> None:
+    query = {"time": {"from": "2026-11-01T00:00:00Z", "to": "2026-12-01T00:00:00Z", "granularity": "day"},
+             "group_by": ["billing_user_id"], "metrics": ["cost_xusd"]}
+    reply = svc.post("/mgt/v1/reports/usage", query)
+    assert reply.status_code == 422
+    codes = {e["field"]: e["code"] for e in reply.json()["errors"]}
+    assert codes == {"group_by": "VALIDATION.UNSUPPORTED_DIMENSION", "metrics": "VALIDATION.UNSUPPORTED_METRIC"}
+    bad_time = svc.post("/mgt/v1/reports/usage", {**query, "group_by": ["bucket_start"], "metrics": None,
+                                                  "time": {"from": "2026-11-01", "to": "x", "granularity": "week"}})
+    assert bad_time.status_code == 422
+    assert {e["field"] for e in bad_time.json()["errors"]} == {"time.from", "time.to", "time.granularity"}
