@@ -223,7 +223,7 @@ def _draw_days(axes: Any, usage: MonthUsage, month_name: str) -> None:
                                               for i in range(length)]
     days = np.arange(1, length + 1)
     base = np.zeros(length)
-    colours = _colours(len(shown))
+    colours = _colours(order[:TOP_METERS]) + (["#9e9e9e"] if rest else [])
     for (meter, amounts), colour in zip(shown.items(), colours, strict=True):
         heights = np.array(amounts, dtype=float) / XUSD_PER_USD  # for drawing only
         axes.bar(days, heights, bottom=base, width=0.8, label=meter, color=colour)
@@ -257,7 +257,7 @@ def _draw_features(axes: Any, usage: MonthUsage) -> None:
     amounts = [amount for _, amount in top]
     widths = [amount / XUSD_PER_USD for amount in amounts]  # for drawing only
     axes.barh(positions, widths, height=0.6, color="#4c72b0")
-    axes.set_yticks(positions, [_cut(code, 40) for code, _ in top], fontsize=9)
+    axes.set_yticks(positions, [_cut(code, 32) for code, _ in top], fontsize=9)
     axes.set_ylim(-0.5, slots - 0.5)
     _usd_axis(axes.xaxis, max(widths, default=0.0))
     axes.set_xlim(0, axes.get_xlim()[1] * 1.25)  # room for the labels at the bars' ends
@@ -274,11 +274,12 @@ def _draw_features(axes: Any, usage: MonthUsage) -> None:
 
 
 def _usd_axis(axis: Any, largest: float) -> None:
-    """USD ticks in plain decimals (no exponent, no offset), as many decimals as the step
-    between ticks needs; an axis of amounts under 10 xusd still spans 10 xusd."""
+    """USD ticks in plain decimals (no exponent, no offset): ticks 1, 2 or 5 times a power of
+    ten apart, each shown with the decimals of that step, so every tick reads exactly; an axis
+    of amounts under 10 xusd still spans 10 xusd (ticks never closer than 1 xusd)."""
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-    axis.set_major_locator(MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]))
+    axis.set_major_locator(MaxNLocator(nbins=6, steps=[1, 2, 5, 10]))
     axes = axis.axes
     span = max(largest, 10 / XUSD_PER_USD)
     if axis is axes.yaxis:
@@ -295,11 +296,20 @@ def _usd_axis(axis: Any, largest: float) -> None:
     axis.set_major_formatter(FuncFormatter(label))
 
 
-def _colours(count: int) -> list[Any]:
+def _colours(meters: Sequence[str]) -> list[Any]:
+    """A colour per meter, the same for a meter in every chart where it can be: each meter
+    (in order) takes the colour its name hashes to, or the next one no meter has taken.
+    Grey, the colour of the other meters, is left out."""
     from matplotlib import colormaps
 
-    palette = colormaps["tab10"].colors
-    return [palette[i % len(palette)] for i in range(count)]
+    palette = [c for i, c in enumerate(colormaps["tab10"].colors) if i != 7]
+    taken: list[int] = []
+    for meter in meters:
+        index = int(hashlib.sha256(meter.encode()).hexdigest()[:8], 16) % len(palette)
+        while index in taken and len(taken) < len(palette):
+            index = (index + 1) % len(palette)
+        taken.append(index)
+    return [palette[i] for i in taken]
 
 
 def _cut(text: str, width: int) -> str:
