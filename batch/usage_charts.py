@@ -127,12 +127,20 @@ def month_usages(day_rows: pa.Table) -> list[MonthUsage]:
 
 def chart_path(root: Path, realm: str, account: str, month: date) -> Path:
     """`<root>/<realm>/<account>/<YYYY-MM>.png`; a character other than a letter, a digit or
-    one of `_.-~` in an id is %-escaped (an account id may hold `/`), so each id is one folder.
+    one of `_.-~` in an id is %-escaped (an account id may hold `/`), and so is a leading dot,
+    so each id is one folder of its own, never `..` or a hidden one.
 
     >>> chart_path(Path("charts"), "acme", "team/a:1", date(2026, 11, 1)).as_posix()
     'charts/acme/team%2Fa%3A1/2026-11.png'
+    >>> chart_path(Path("charts"), "acme", "..", date(2026, 11, 1)).as_posix()
+    'charts/acme/%2E./2026-11.png'
     """
-    return root / quote(realm, safe="") / quote(account, safe="") / f"{month:%Y-%m}.png"
+    return root / _folder(realm) / _folder(account) / f"{month:%Y-%m}.png"
+
+
+def _folder(name: str) -> str:
+    escaped = quote(name, safe="")
+    return "%2E" + escaped[1:] if escaped.startswith(".") else escaped or "%"
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,7 +310,8 @@ def _colours(meters: Sequence[str]) -> list[Any]:
     Grey, the colour of the other meters, is left out."""
     from matplotlib import colormaps
 
-    palette = [c for i, c in enumerate(colormaps["tab10"].colors) if i != 7]
+    tab10 = colormaps["tab10"]
+    palette = [tab10(i) for i in range(10) if i != 7]
     taken: list[int] = []
     for meter in meters:
         index = int(hashlib.sha256(meter.encode()).hexdigest()[:8], 16) % len(palette)
