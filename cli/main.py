@@ -1,12 +1,13 @@
 """The `tollgate` command: the cyclopts App that gathers the subcommands, and the one error path.
 
 Each subcommand lives in a module of its own: `cli.serve`, `cli.keys`, `cli.catalog`,
-`cli.call`, `cli.sql` and `cli.flows`; they import what is heavy (DuckDB, uvicorn, Prefect)
-inside the commands, so `tollgate --help` and `tollgate call` start quickly. This module owns
-the parsing and `main`, the only place where an error becomes a message and an exit code: a
-usage error 2, `CommandError` its own code, a bad setting (`ConfigError`) 2, a data folder
-that cannot be read or written (`OSError`) 1, a reader that went away (`BrokenPipeError`) 141,
-Ctrl-C 130. (A command's own report, such as the faults of a catalog, is its output.)
+`cli.call`, `cli.sql`, `cli.flows` and `cli.report`; they import what is heavy (DuckDB,
+uvicorn, Prefect, matplotlib) inside the commands, so `tollgate --help` and `tollgate call`
+start quickly. This module owns the parsing and `main`, the only place where an error
+becomes a message and an exit code: a usage error 2, `CommandError` its own code, a bad
+setting (`ConfigError`) 2, a data folder that cannot be read or written (`OSError`) 1, a
+reader that went away (`BrokenPipeError`) 141, Ctrl-C 130. (A command's own report, such as
+the faults of a catalog, is its output.)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from cyclopts import App, CycloptsError, Parameter, UnusedCliTokensError
 
 from cli import catalog, flows, keys
 from cli.call import call
+from cli.report import report
 from cli.serve import serve
 from cli.shared import OPTIONS, CommandError
 from cli.sql import sql
@@ -29,7 +31,7 @@ __all__ = ["app", "main"]
 
 app = App(
     name="tollgate",
-    help="The tollgate service and its tools: serve, keys, catalog, call, sql, flows.\n\n"
+    help="The tollgate service and its tools: serve, keys, catalog, call, sql, flows, report.\n\n"
          "Every subcommand takes --data-dir (or TOLLGATE_DATA_DIR; default ./var).",
     # The commands and flags are those of the argparse command line before: no --version.
     version_flags=(),
@@ -53,6 +55,7 @@ app.command(call, sort_key=4)
 app.command(sql, sort_key=5, usage="Usage: tollgate sql [OPTIONS] [QUERY]")
 flows.app.sort_key = 6
 app.command(flows.app)
+app.command(report, sort_key=7)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

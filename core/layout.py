@@ -6,7 +6,8 @@
     catalog/             the applied catalog and its history, written by the CLI
     lake/                DuckLake: its SQLite catalog and Parquet files; `spill/` for flows,
                          `rating.lock` serialising rating runs
-    reports/             usage reports as Parquet, written by publish-usage-reports
+    reports/             usage reports as Parquet, written by publish-usage-reports;
+                         `charts/` its usage charts, one PNG per account and month
     .serve.lock          held by the one `tollgate serve` of this folder
 """
 
@@ -54,6 +55,11 @@ class DataFolder:
     @property
     def reports(self) -> Path:
         return self.root / "reports"
+
+    @property
+    def report_charts(self) -> Path:
+        """`<realm>/<account>/<YYYY-MM>.png`: the usage charts of the latest publication."""
+        return self.reports / "charts"
 
     @property
     def serve_lock(self) -> Path:

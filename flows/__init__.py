@@ -3,7 +3,8 @@
     rate-events            the sweep of events not yet rated (every minute)
     rerate                 a manual backfill over an occurred_at range, accounts, policies
     close-aggregate-days   aggregate policies per account, event type and closed UTC day
-    publish-usage-reports  usage per day and month to the lake, Parquet and two artifacts
+    publish-usage-reports  usage per day and month to the lake, Parquet and two artifacts;
+                           a chart per account and month (PNG) and their artifact
     compact-lake           merge files, expire snapshots, delete unused files
 
 `FLOWS` names them and `flow_named` gives each; `prefect.yaml` declares their deployments.

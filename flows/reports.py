@@ -1,7 +1,12 @@
 """The `publish-usage-reports` flow: usage per day and month, per account, feature and meter,
 from the current ratings, written three ways: appended to `lake.usage_reports`, as Parquet
 files under `<data_dir>/reports/`, and as two Prefect table artifacts, `usage-report-days` and
-`usage-report` (months), each showing the newest rows up to its cap."""
+`usage-report` (months), each showing the newest rows up to its cap.
+
+Then the usage charts of the report (batch/usage_charts.py): a PNG per account and month under
+`<data_dir>/reports/charts/` (only those of the latest publication; a chart whose usage has
+not changed is not drawn again), listed with their paths in the markdown artifact
+`usage-charts`."""
 
 from __future__ import annotations
 
@@ -13,8 +18,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+from batch.usage_charts import Published, format_usd, month_usages, publish_charts
 from batch.usage_reports import REPORT_COLUMNS, build_usage_report
 from core.clock import SYSTEM_CLOCK
 from core.layout import DataFolder
@@ -27,6 +33,8 @@ __all__ = ["publish_usage_reports"]
 # report. Per period: its artifact key, its title and the most rows it shows (newest first).
 _ARTIFACTS = {"day": ("usage-report-days", "Daily usage", 1000),
               "month": ("usage-report", "Monthly usage", 500)}
+# The charts artifact lists the newest months first, at most this many charts.
+_CHARTS_ARTIFACT = ("usage-charts", 500)
 _ARTIFACT_COLUMNS = ["period_start", "realm", "billing_account_id", "feature_code", "meter_code",
                      "quantity_minor", "amount_xusd", "event_count", "line_count"]
 
@@ -58,9 +66,34 @@ def publish_usage_reports(data_dir: str | None = None) -> dict[str, Any]:
         close_lake(conn)
     files = _write_parquet(DataFolder(folder).reports, run_id, report)
     counts = {period: _publish_artifact(report, period, run_id) for period in ("day", "month")}
-    get_run_logger().info("published %s: %d day rows, %d month rows", run_id, counts["day"],
-                          counts["month"])
-    return {"run_id": run_id, "rows": counts, "files": [str(f) for f in files]}
+    charts = publish_charts(DataFolder(folder).report_charts, month_usages(
+        report.filter(pc.equal(report.column("period"), "day"))))
+    _publish_charts_artifact(charts, run_id)
+    get_run_logger().info("published %s: %d day rows, %d month rows; %d charts (%d drawn, %d"
+                          " removed)", run_id, counts["day"], counts["month"],
+                          len(charts.charts), charts.drawn, charts.removed)
+    return {"run_id": run_id, "rows": counts, "files": [str(f) for f in files],
+            "charts": {"folder": str(DataFolder(folder).report_charts),
+                       "charts": len(charts.charts), "drawn": charts.drawn,
+                       "removed": charts.removed}}
+
+
+def _publish_charts_artifact(charts: Published, run_id: str) -> None:
+    """The markdown artifact that lists the charts, newest months first, each with its total
+    and its file (a link to it, and its path)."""
+    key, cap = _CHARTS_ARTIFACT
+    shown = sorted(charts.charts, key=lambda c: (-c[0].month.toordinal(), c[0].realm,
+                                                  c[0].account))[:cap]
+    lines = [f"# Usage charts, report {run_id}", "",
+             f"{len(shown)} of {len(charts.charts)} charts, newest months first (at most {cap}"
+             " listed); each is a PNG of the month's daily amount by meter and its top features.",
+             "", "| month | realm | account | total (USD) | chart |", "|---|---|---|---:|---|"]
+    for usage, path in shown:
+        lines.append(f"| {usage.month:%Y-%m} | {usage.realm} | {usage.account}"
+                     f" | {format_usd(usage.total_xusd)} | [{path.name}]({path.resolve().as_uri()})"
+                     f" `{path}` |")
+    create_markdown_artifact(markdown="\n".join(lines) + "\n", key=key,
+                             description=f"Usage charts, report {run_id}")
 
 
 def _publish_artifact(report: pa.Table, period: str, run_id: str) -> int:

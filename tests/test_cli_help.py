@@ -1,7 +1,7 @@
 """The command line's help and usage errors: `tollgate --help` lists every subcommand with a
 line of help, each subcommand's help names its flags in plain text when not at a terminal,
 a command line that does not parse exits 2 in one line, and --help stays quick to start
-(DuckDB, uvicorn and Prefect load only in the commands that need them)."""
+(DuckDB, uvicorn, Prefect and matplotlib load only in the commands that need them)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from cli.main import main
 
-SUBCOMMANDS = ("serve", "keys", "catalog", "call", "sql", "flows")
+SUBCOMMANDS = ("serve", "keys", "catalog", "call", "sql", "flows", "report")
 FLAGS = {
     ("serve",): ["--host", "--port", "--data-dir"],
     ("keys", "create"): ["--realm", "--data-dir"],
@@ -28,6 +28,7 @@ FLAGS = {
     ("sql",): ["QUERY", "--format", "--data-dir"],
     ("flows", "list"): ["--data-dir"],
     ("flows", "run"): ["NAME", "--param", "--data-dir"],
+    ("report",): ["--account", "--month", "--realm", "--out", "--data-dir"],
 }
 
 
@@ -78,6 +79,8 @@ def test_a_group_help_lists_its_commands(group: str) -> None:
     ["sql", "--format", "xml"],
     ["sql", "--frmat", "csv"],                 # a mistyped flag is not a query
     ["serve", "extra"],
+    ["report"],                                # --account left out
+    ["report", "--account", "acct_a", "--month", "2026-1"],
 ], ids=lambda args: " ".join(args) or "(nothing)")
 def test_a_usage_error_exits_2_in_one_readable_line(args: list[str], tmp_path: Path) -> None:
     r = cli(*args, "--data-dir", str(tmp_path)) if args else cli()
@@ -99,8 +102,8 @@ def test_main_returns_the_exit_code_in_process(capsys: pytest.CaptureFixture[str
 def test_help_and_call_load_neither_duckdb_nor_uvicorn_nor_prefect(tmp_path: Path) -> None:
     script = ("import sys\nfrom cli.main import main\nmain(sys.argv[1:])\n"
               "print(sorted({m.split('.')[0] for m in sys.modules}"
-              " & {'duckdb', 'uvicorn', 'prefect', 'litestar'}))")
-    for argv in (["--help"], ["keys", "--help"],
+              " & {'duckdb', 'uvicorn', 'prefect', 'litestar', 'matplotlib'}))")
+    for argv in (["--help"], ["keys", "--help"], ["report", "--help"],
                  ["call", "GET", "/healthz", "--port", "1", "--data-dir", str(tmp_path)]):
         r = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True,
                            timeout=60)
