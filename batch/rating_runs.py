@@ -42,6 +42,7 @@ import pyarrow.parquet as pq
 from batch.rating_plan import LINE_CATALOG, insert_rows
 from core.clock import SYSTEM_CLOCK, Clock
 from warehouse.lake import transaction, with_lake_retry
+from warehouse.usage_days import rollup_lines_sql, rollup_rows_sql
 
 __all__ = [
     "BATCH_KINDS",
@@ -361,6 +362,8 @@ def commit_written_runs(conn: duckdb.DuckDBPyConnection, runs: Sequence[WrittenR
                         f"INSERT INTO lake.rating_lines SELECT '{run.run_id}', event_id, realm,"
                         " billing_account_id, occurred_at, line_id, quantity_minor, amount_xusd"
                         f" FROM {inserted}")
+                ids = ", ".join(f"'{run.run_id}'" for run in runs)
+                conn.execute(rollup_lines_sql("lake", f"run_id IN ({ids})"))
                 finished_at = clock.now()
                 insert_rows(conn, "lake.rating_runs", [
                     (run.run_id, run.kind, "completed", run.started_at, finished_at,
@@ -405,6 +408,7 @@ def write_run(conn: duckdb.DuckDBPyConnection, *, run_id: str, kind: str, starte
             inserted = conn.execute(
                 f"INSERT INTO lake.rating_rows ({STORED_COLUMNS}) {rows_sql}").fetchone()
             count = int(inserted[0]) if inserted else 0
+            conn.execute(rollup_rows_sql("lake", f"(SELECT * FROM lake.rating_rows WHERE run_id = '{run_id}')"))
             if isinstance(events, int):
                 counted = events
             if counted is None:

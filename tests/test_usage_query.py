@@ -24,6 +24,7 @@ from tests.lake_events import (
     single,
 )
 from warehouse.lake import connect_lake
+from warehouse.usage_days import rollup_rows_sql
 from warehouse.usage_query import UsageSlice, query_usage
 
 pytestmark = pytest.mark.lake
@@ -52,7 +53,7 @@ def _inline(conn: Any, event_id: str, account: str, at: datetime, qty: int, amou
         " unit_quantity_minor, amount_xusd, occurred_at, rated_at, line_index) VALUES"
         " (?, 'inline', 'event', ?, ?::UUID, 'acme', ?, 'rated', 'llm', 'v1', 'llm.chat', 'tokens.in', ?,"
         " 'tokens.in@2026-01-01T00:00:00Z', 150, 1000, ?, ?, ?, 0)",
-        [rid, event_id, event_id, account, qty, amount, at, at])
+        [rid, event_id, event_id, account, qty, amount, at, datetime.now(UTC)])  # rated after acceptance
 
 
 def _gate_line(conn: Any, account: str, at: datetime, qty: int, amount: int) -> None:
@@ -62,6 +63,8 @@ def _gate_line(conn: Any, account: str, at: datetime, qty: int, amount: int) -> 
         " occurred_at, rated_at, line_index) VALUES (?, 'gate', 'gate_commit', ?, 'acme', ?, 'rated',"
         " 'llm.chat', 'tokens.in', ?, 'tokens.in@2026-01-01T00:00:00Z', 150, 1000, ?, ?, ?, 0)",
         [f"cmt_{qty}.0", f"cmt_{qty}", account, qty, amount, at, at])
+    # the exporter rolls its commit lines up as it writes them
+    conn.execute(rollup_rows_sql("lake", f"(SELECT * FROM lake.rating_rows WHERE rating_id = 'cmt_{qty}.0')"))
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +132,31 @@ def test_the_sums_are_those_of_the_current_ratings(lake: Any) -> None:
     assert got[(nov6, "acct_a", "llm.chat", "tokens.in")][:3] == (5999, 150 + 777, 2)
     assert got[(nov5, "acct_a", "team.seats", "seats")][:2] == (6, 6_000_000)
     assert got[(nov6, "acct_b", "llm.chat", "tokens.in")] == (4200, 630, 1, 1)
+
+
+def test_partial_first_and_last_days_are_summed_from_the_lines(lake: Any) -> None:
+    for start, end in ((datetime(2026, 11, 5, 10, 30, tzinfo=UTC), datetime(2026, 11, 6, 12, tzinfo=UTC)),
+                       (datetime(2026, 11, 5, 10, 30, tzinfo=UTC), datetime(2026, 11, 5, 11, 30, tzinfo=UTC)),
+                       (datetime(2026, 11, 4, 23, tzinfo=UTC), datetime(2026, 11, 7, 1, tzinfo=UTC))):
+        got = {(r["bucket_start"], r["billing_account_id"], r["feature_code"], r["meter_code"]):
+               (r["quantity_minor"], r["amount_xusd"], r["line_count"], r["commit_count"])
+               for r in query_usage(lake, slice_of(start, end))}
+        assert got == reference(lake, start, end), (start, end)
+    # 10:30-11:30 on 11-05 holds only the 11:00 event of 1200 tokens (rerated: 200 xusd).
+    by_meter = {r["meter_code"]: (r["quantity_minor"], r["amount_xusd"]) for r in query_usage(
+        lake, slice_of(datetime(2026, 11, 5, 10, 30, tzinfo=UTC), datetime(2026, 11, 5, 11, 30, tzinfo=UTC),
+                       group_by=("bucket_start", "meter_code")))}
+    value = by_meter["tokens.in"]
+    assert value == (1200, 200)
+
+
+def test_the_rollup_holds_every_batch_and_gate_line(lake: Any) -> None:
+    """lake.usage_days sums to the lines of the completed batch runs and the gate."""
+    rolled = lake.execute("SELECT sum(amount_xusd), sum(lines) FROM lake.usage_days").fetchone()
+    lines = lake.execute(
+        "SELECT sum(amount_xusd), sum(CASE status WHEN 'reversal' THEN -1 ELSE 1 END) FROM lake.ratings"
+        " WHERE status IN ('rated', 'reversal') AND run_id <> 'inline'").fetchone()
+    assert rolled == lines
 
 
 def test_totals_families_filters_and_months(lake: Any) -> None:

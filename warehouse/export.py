@@ -38,6 +38,7 @@ import pyarrow.compute as pc
 from core.clock import SYSTEM_CLOCK, Clock
 from warehouse.journal import run_in_background
 from warehouse.lake import attach_lake, transaction, with_lake_retry
+from warehouse.usage_days import rollup_rows_sql
 
 __all__ = ["BATCH_ROWS", "STREAMS", "ExportMismatch", "LakeExporter", "Watermark",
            "run_exporter_thread"]
@@ -319,6 +320,10 @@ class LakeExporter:
             "'rated', NULL, NULL, feature_code, meter_code, quantity_minor, price_id, "
             "unit_price_xusd, unit_quantity_minor, amount_xusd, committed_at, committed_at, "
             f"line_index FROM {name} ORDER BY seq")
+        lake.execute(rollup_rows_sql("lake", (
+            "(SELECT 'gate' AS run_id, realm, billing_account_id, committed_at AS occurred_at, price_id,"
+            " quantity_minor, amount_xusd, CAST(NULL AS BIGINT) AS line_id, 'rated' AS status, feature_code,"
+            f" meter_code, line_index FROM {name})")))
 
     @staticmethod
     def _write_inline_ratings(lake: duckdb.DuckDBPyConnection, name: str, batch: _Batch) -> None:

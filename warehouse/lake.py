@@ -41,6 +41,8 @@ Tables (all times UTC):
     usage_reports    period (day|month), period_start DATE, realm, billing_account_id,
                      feature_code, meter_code, quantity_minor BIGINT, amount_xusd BIGINT,
                      event_count BIGINT, line_count BIGINT, run_id, published_at TIMESTAMPTZ
+    usage_days       the lines of every batch run and of the gate summed per account, UTC
+                     day and line kind (`warehouse.usage_days`)
     catalog_versions fingerprint, applied_at TIMESTAMPTZ, source
     catalog_prices   fingerprint, realm, meter_code, price_id, unit_price_xusd BIGINT,
                      unit_quantity_minor BIGINT, rounding, effective_at TIMESTAMPTZ
@@ -65,6 +67,7 @@ from typing import TypeVar
 import duckdb
 
 from core.layout import DataFolder
+from warehouse import usage_days
 
 __all__ = ["LAKE_TABLES", "attach_lake", "connect_lake", "lake_paths", "table_folder", "transaction",
            "with_lake_retry"]
@@ -253,6 +256,7 @@ def attach_lake(conn: duckdb.DuckDBPyConnection, data_dir: Path, *, read_only: b
             create = f"CREATE TABLE IF NOT EXISTS {alias}.{table} ({columns})"
             with_lake_retry(functools.partial(conn.execute, create))
         _add_kind_prices(conn, alias)
+        _add_usage_days(conn, alias)
         if _view_comment(conn, alias, "ratings") != RATINGS_VIEW_VERSION:
             def create_view() -> None:
                 with transaction(conn):
@@ -319,6 +323,28 @@ def _upgrade(conn: duckdb.DuckDBPyConnection, alias: str) -> None:
                 return  # another process upgraded it first
             raise
     with_lake_retry(rename)
+
+
+def _add_usage_days(conn: duckdb.DuckDBPyConnection, alias: str) -> None:
+    """Create lake.usage_days with the rollup of every rating row the lake holds (none in a
+    new lake), in one transaction: a concurrent attach that creates it first wins, and this
+    one then finds it there."""
+    def add() -> None:
+        if _exists(conn, alias, "usage_days", view=False):
+            return
+        rows = (f"(SELECT r.* FROM {alias}.rating_rows AS r WHERE r.source = 'gate_commit'"
+                f" OR r.run_id IN (SELECT run_id FROM {alias}.rating_runs"
+                " WHERE kind IN ('sweep', 'rerate', 'aggregate')))")
+        try:
+            with transaction(conn):
+                conn.execute(f"CREATE TABLE {alias}.usage_days ({usage_days.COLUMNS})")
+                conn.execute(usage_days.rollup_lines_sql(alias, "TRUE"))
+                conn.execute(usage_days.rollup_rows_sql(alias, rows))
+        except duckdb.Error:
+            if _exists(conn, alias, "usage_days", view=False):
+                return  # another process added it first
+            raise
+    with_lake_retry(add)
 
 
 def _add_kind_prices(conn: duckdb.DuckDBPyConnection, alias: str) -> None:

@@ -4,24 +4,29 @@ of POST /mgt/v1/reports/usage.
 Rows are never updated in the lake; a re-rating appends reversals and new rows. So the
 current usage of a slice is a plain sum, with no "latest run per event" step:
 
-- every row of the batch runs (sweeps, rerates, aggregate days): each reversal negates the
-  row it cancels, so their sum is the sum of the current rows (docs/analysts.md, "Sums");
+- every row of the completed batch runs (sweeps, rerates, aggregate days): each reversal
+  negates the row it cancels, so their sum is the sum of the current rows (docs/analysts.md,
+  "Sums");
 - every gate commit line (run `gate`, final when written);
 - the inline rows (provisional: an event row of a run that is not a batch run) of events
-  that no batch run has rated yet;
-  an event's batch rows have its occurred_at, so the check stays inside the time range.
+  that no batch run has rated yet.
 
-A sweep's lines (`rating_lines`) are summed per (bucket, account, line kind) before their
-kind is joined, so the per-row work is a scan and a hash aggregate. Counts follow the same
-rule: a reversal counts -1, so `line_count` and `commit_count` count current lines and
-current sources (events, aggregate days, commits: their line 0).
+The first two are read from `lake.usage_days` (`warehouse.usage_days`: a row per run,
+account, UTC day and line kind, written with the lines) for the whole UTC days of the range,
+and from the lines themselves only for a partial first or last day. The third looks only at
+events beyond the sweeps' watermark (the greatest export id a completed sweep had read,
+`batch.sweep`), so its cost follows the sweep's lag, not the lake's history. A month of one
+account is then ~30 x kinds rollup rows, however many events it had.
+
+Counts follow the same rule: a reversal counts -1, so `line_count` and `commit_count` count
+current lines and current sources (events, aggregate days, commits: their line 0).
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -49,54 +54,94 @@ METRICS: dict[str, str] = {
     "distinct_billing_account_count": "count(DISTINCT CASE WHEN lines <> 0 THEN billing_account_id END)",
 }
 
-# The lines of one bucket and account, per kind; the sweeps' narrow lines first.
-_LINES = """
-WITH kinds AS (SELECT DISTINCT * FROM lake.rating_line_kinds),
-swept AS (
-    SELECT epoch_us(l.occurred_at) // 86400000000 AS day, l.billing_account_id,
-           l.line_id, sum(l.quantity_minor) AS quantity_minor, sum(l.amount_xusd) AS amount_xusd,
-           count(*) AS n
-    FROM lake.rating_lines AS l
-    WHERE {where_l}
-    GROUP BY ALL
+# A UTC day in integers (days since 1970-01-01) from a TIMESTAMPTZ: a cast through the time
+# zone library costs ten times the scan.
+_DAY = "epoch_us({t}.occurred_at) // 86400000000"
+_KINDS = ("(SELECT DISTINCT line_id, status, feature_code, meter_code, price_id, line_index"
+          " FROM lake.rating_line_kinds)")
+_BATCH_RUNS = ("SELECT run_id, started_at, params FROM lake.rating_runs"
+               " WHERE status = 'completed' AND kind IN ('sweep', 'rerate', 'aggregate')")
+# The sweeps' watermark and when its sweep read the lake (as `batch.sweep` reads them): an
+# event exported beyond it can only have been rated by a run that started after that read,
+# less the sweep's clock margin of an hour.
+_MARK = ("SELECT CAST(json_extract_string(params, '$.through_export_id') AS BIGINT) AS through,"
+         " coalesce(CAST(json_extract_string(params, '$.through_read_at') AS TIMESTAMPTZ), started_at)"
+         " - INTERVAL 1 HOUR AS since FROM batch_runs WHERE json_extract_string(params, '$.through_export_id')"
+         " IS NOT NULL ORDER BY 1 DESC, 2 DESC LIMIT 1")
+
+# Per part, rows of (day, billing_account_id, feature_code, meter_code, price_id,
+# quantity_minor, amount_xusd, lines, sources). {days}: the whole days, {edges}: the
+# partial ones (a condition on occurred_at, alias given), {scope}: realm, range and accounts.
+_PARTS = """
+WITH batch_runs AS ({batch_runs}),
+kinds AS {kinds},
+mark AS ({mark}),
+rolled AS (
+    SELECT CAST(u.day - DATE '1970-01-01' AS BIGINT) AS day, u.billing_account_id, u.feature_code,
+           u.meter_code, u.price_id, u.quantity_minor, u.amount_xusd, u.lines, u.sources
+    FROM lake.usage_days AS u
+    WHERE {days} AND (u.run_id = 'gate' OR u.run_id IN (SELECT run_id FROM batch_runs))
 ),
-batch_runs AS (
-    SELECT DISTINCT run_id FROM lake.rating_runs
-    WHERE status = 'completed' AND kind IN ('sweep', 'rerate', 'aggregate')
+edge_swept AS (
+    SELECT s.day, s.billing_account_id, k.feature_code, k.meter_code, k.price_id, s.q, s.a, s.n,
+           CASE WHEN k.line_index = 0 THEN s.n ELSE 0 END
+    FROM (SELECT {day_l} AS day, l.billing_account_id, l.line_id, sum(l.quantity_minor)::HUGEINT AS q,
+                 sum(l.amount_xusd)::HUGEINT AS a, count(*) AS n
+          FROM lake.rating_lines AS l WHERE {edges_l} GROUP BY ALL) AS s
+    JOIN kinds AS k ON k.line_id = s.line_id
+    WHERE k.status = 'rated'
 ),
 stored AS (
-    SELECT r.*, CASE WHEN r.line_id IS NULL THEN r.status ELSE k.status END AS kstatus,
+    SELECT r.*, {day_r} AS day,
+           CASE WHEN r.line_id IS NULL THEN r.status ELSE k.status END AS kstatus,
            CASE WHEN r.line_id IS NULL THEN r.feature_code ELSE k.feature_code END AS kfeature,
            CASE WHEN r.line_id IS NULL THEN r.meter_code ELSE k.meter_code END AS kmeter,
            CASE WHEN r.line_id IS NULL THEN r.line_index ELSE k.line_index END AS kindex,
            CASE WHEN r.source = 'gate_commit' THEN 'gate'
-                WHEN b.run_id IS NOT NULL THEN 'batch' ELSE 'inline' END AS origin
+                WHEN r.run_id IN (SELECT run_id FROM batch_runs) THEN 'batch' ELSE 'inline' END AS origin
     FROM lake.rating_rows AS r LEFT JOIN kinds AS k ON k.line_id = r.line_id
-    LEFT JOIN batch_runs AS b ON b.run_id = r.run_id
-    WHERE {where_r}
+    WHERE {edges_r}
 ),
-inline_rated AS (SELECT event_id FROM stored WHERE origin = 'inline'),
-superseded AS (
-    SELECT DISTINCT event_id FROM lake.rating_lines AS l
-    WHERE {where_l} AND l.event_id IN (SELECT event_id FROM inline_rated)
+candidates AS (
+    SELECT e.event_id, e.created_at FROM lake.events AS e
+    WHERE {scope_e} AND e.export_id > coalesce((SELECT through FROM mark), -1)
+),
+inline_rows AS (
+    SELECT r.*, {day_r} AS day,
+           CASE WHEN r.line_id IS NULL THEN r.status ELSE k.status END AS kstatus,
+           CASE WHEN r.line_id IS NULL THEN r.feature_code ELSE k.feature_code END AS kfeature,
+           CASE WHEN r.line_id IS NULL THEN r.meter_code ELSE k.meter_code END AS kmeter,
+           CASE WHEN r.line_id IS NULL THEN r.line_index ELSE k.line_index END AS kindex
+    FROM lake.rating_rows AS r LEFT JOIN kinds AS k ON k.line_id = r.line_id
+    WHERE {scope_r} AND r.source = 'event' AND r.run_id NOT IN (SELECT run_id FROM batch_runs)
+      AND r.rated_at >= (SELECT coalesce(min(created_at), TIMESTAMPTZ 'infinity') FROM candidates)
+      AND r.event_id IN (SELECT event_id FROM candidates)
+),
+recent_runs AS (
+    SELECT run_id FROM batch_runs
+    WHERE (SELECT since FROM mark) IS NULL OR started_at >= (SELECT since FROM mark)
+),
+rated_lately AS (
+    SELECT event_id FROM lake.rating_lines
+    WHERE run_id IN (SELECT run_id FROM recent_runs) AND event_id IN (SELECT event_id FROM inline_rows)
     UNION
-    SELECT DISTINCT event_id FROM stored
-    WHERE origin = 'batch' AND event_id IN (SELECT event_id FROM inline_rated)
+    SELECT event_id FROM lake.rating_rows
+    WHERE run_id IN (SELECT run_id FROM recent_runs) AND event_id IN (SELECT event_id FROM inline_rows)
 ),
 lines AS (
-    SELECT s.day, s.billing_account_id, k.feature_code, k.meter_code, k.price_id,
-           s.quantity_minor, s.amount_xusd, s.n AS lines,
-           CASE WHEN k.line_index = 0 THEN s.n ELSE 0 END AS sources
-    FROM swept AS s JOIN kinds AS k ON k.line_id = s.line_id
-    WHERE k.status = 'rated'
+    SELECT * FROM rolled
+    UNION ALL SELECT * FROM edge_swept
     UNION ALL
-    SELECT epoch_us(occurred_at) // 86400000000, billing_account_id, kfeature, kmeter,
-           price_id, quantity_minor, amount_xusd,
+    SELECT day, billing_account_id, kfeature, kmeter, price_id, quantity_minor, amount_xusd,
            CASE kstatus WHEN 'reversal' THEN -1 ELSE 1 END,
            CASE WHEN kindex = 0 THEN (CASE kstatus WHEN 'reversal' THEN -1 ELSE 1 END) ELSE 0 END
-    FROM stored
-    WHERE kstatus IN ('rated', 'reversal')
-      AND (origin <> 'inline' OR event_id NOT IN (SELECT event_id FROM superseded))
+    FROM stored WHERE origin <> 'inline' AND kstatus IN ('rated', 'reversal')
+    UNION ALL
+    SELECT day, billing_account_id, kfeature, kmeter, price_id, quantity_minor, amount_xusd,
+           CASE kstatus WHEN 'reversal' THEN -1 ELSE 1 END,
+           CASE WHEN kindex = 0 THEN (CASE kstatus WHEN 'reversal' THEN -1 ELSE 1 END) ELSE 0 END
+    FROM inline_rows
+    WHERE kstatus IN ('rated', 'reversal') AND event_id NOT IN (SELECT event_id FROM rated_lately)
 ),
 daily AS (
     SELECT day, billing_account_id, feature_code, meter_code, price_id, sum(quantity_minor) AS quantity_minor,
@@ -104,6 +149,11 @@ daily AS (
     FROM lines GROUP BY ALL
 )
 """
+
+
+def _midnight(moment: datetime, *, up: bool) -> datetime:
+    day = datetime(moment.year, moment.month, moment.day, tzinfo=timezone.utc)
+    return day + timedelta(days=1) if up and day < moment else day
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,23 +200,41 @@ class LakeReader:
 
 def query_usage(conn: duckdb.DuckDBPyConnection, usage: UsageSlice) -> list[dict[str, Any]]:
     """The slice's rows: one dict per group, dimension values as text (the bucket as a UTC
-    datetime) and metrics as Python ints (exact; sums of BIGINTs are HUGEINTs)."""
-    where_parts = ["{t}.realm = ?", "{t}.occurred_at >= ?", "{t}.occurred_at < ?"]
-    base: list[Any] = [usage.realm, usage.start, usage.end]
+    datetime) and metrics as Python ints (exact; the sums are HUGEINTs)."""
+    start, end = usage.start.astimezone(timezone.utc), usage.end.astimezone(timezone.utc)
+    first, last = _midnight(start, up=True), _midnight(end, up=False)
+    if first >= last:  # no whole day: everything from the lines
+        first = last = start
     accounts = dict(usage.filters).get("billing_account_id")
-    if accounts is not None:
-        where_parts.append("{t}.billing_account_id IN (" + ", ".join("?" for _ in accounts) + ")")
-        base.extend(accounts)
-    where = " AND ".join(where_parts)
-    sql = _LINES.format(where_l=where.format(t="l"), where_r=where.format(t="r"))
-    # Placeholders bind in order of appearance: swept (l), stored (r), superseded (l), then
-    # the catalog's feature -> family pairs, then the outer filters.
-    params: list[Any] = base * 3
+    account_marks = ", ".join("?" for _ in accounts or ())
+
+    def scope(t: str, column: str, low: Any, high: Any) -> tuple[str, list[Any]]:
+        where = f"{t}.realm = ? AND {t}.{column} >= ? AND {t}.{column} < ?"
+        params: list[Any] = [usage.realm, low, high]
+        if accounts is not None:
+            where += f" AND {t}.billing_account_id IN ({account_marks})"
+            params.extend(accounts)
+        return where, params
+
+    def edges(t: str) -> tuple[str, list[Any]]:
+        """The partial days: [start, first) and [last, end), each empty when aligned."""
+        low, low_params = scope(t, "occurred_at", start, first)
+        high, high_params = scope(t, "occurred_at", last, end)
+        return f"(({low}) OR ({high}))", low_params + high_params
+
+    days_where, days_params = scope("u", "day", first.date(), last.date())
+    edges_l, edges_l_params = edges("l")
+    edges_r, edges_r_params = edges("r")
+    scope_e, scope_e_params = scope("e", "occurred_at", start, end)
+    scope_r, scope_r_params = scope("r", "occurred_at", start, end)
+    sql = _PARTS.format(batch_runs=_BATCH_RUNS, kinds=_KINDS, mark=_MARK, days=days_where,
+                        day_l=_DAY.format(t="l"), day_r=_DAY.format(t="r"), edges_l=edges_l,
+                        edges_r=edges_r, scope_e=scope_e, scope_r=scope_r)
+    # Placeholders bind in order of appearance.
+    params: list[Any] = [*days_params, *edges_l_params, *edges_r_params, *scope_e_params, *scope_r_params]
     params.append([f for f, _ in usage.families])
     params.append([fam for _, fam in usage.families])
     dims = [d for d in usage.group_by if not (d == "bucket_start" and usage.collapse_buckets)]
-    # Lines are summed per UTC day in integers (a date_trunc of each TIMESTAMPTZ goes through
-    # the time zone library: ten times the scan's cost); the days become buckets after.
     bucket = ("make_timestamp(day * 86400000000)" if usage.granularity == "day"
               else "date_trunc('month', make_timestamp(day * 86400000000))")
     select = [f"{DIMENSIONS[d].format(bucket=bucket)} AS {d}" for d in dims]
