@@ -237,7 +237,7 @@ class EventRequest(Struct):
 
 class EventData(Struct, forbid_unknown_fields=True):
     event_id: Annotated[str, Meta(extra_json_schema={"format": "uuid"}, description="A UUID v8 from the realm, account and request_hash.")]
-    request_hash: Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$", description="sha256 of the event's facts as canonical JSON.")]
+    request_hash: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{43}$", description="sha256 of the event's facts as canonical JSON, base64url without padding.")]
     billing_account_id: str
     semantic_kind: Literal["activity", "outcome"]
     event_type: str
