@@ -85,11 +85,10 @@ def test_the_document_is_valid_openapi_3_1(doc: dict[str, Any]) -> None:
     assert (scheme["type"], scheme["in"], scheme["name"]) == ("apiKey", "header", "Authorization")
     for path, item in doc["paths"].items():
         for method, op in item.items():
-            for name, example in [("request", op.get("requestBody", {}).get("content", {})
-                                   .get("application/json", {}).get("example"))]:
-                if example is not None:
-                    documented_body(doc, method, path, example)
-            assert op["security"] == ([] if path == "/healthz" else [{"SVC-AUTH": []}]), name
+            example = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("example")
+            if example is not None:  # the documented example is a request the schema allows
+                documented_body(doc, method, path, example)
+            assert op["security"] == ([] if path == "/healthz" else [{"SVC-AUTH": []}]), path
 
 
 def test_every_route_the_app_serves_is_documented_and_no_other(tmp_path: Path) -> None:
