@@ -8,7 +8,20 @@ envelope restricted to its codes, the response headers every answer carries (X-R
 Retry-After on 429; Idempotent-Replayed where an Idempotency-Key can replay), and the SVC-AUTH
 security scheme. docs/api.md describes the same routes and codes for people.
 
-To add a route: define its Structs in `api.schemas`, then append one `Route` to `ROUTES`.
+To add a route: define the Struct of its `data` (and of its request body, if it has one) in
+`api.schemas`, response Structs with `forbid_unknown_fields=True` and money as decimal strings;
+then append one `Route` to `ROUTES`, for example
+
+    Route("GET", "/mgt/v1/wallet/balance", "get_credit_balance", "The account's balance", "wallet",
+          {200: s.BalanceData}, errors=(*SIGNED_ERRORS, "STORAGE.UNAVAILABLE"),
+          headers=(REALM, ACCOUNT, DIGEST, REQUEST_ID),
+          query=(Query("as_of", "An instant; now by default.", {"type": "string"}),))
+
+with the operation id of the official client where it has the route, every code the handler
+can answer (a new code goes into `ERROR_CODES` and the error table of docs/api.md), and the
+route's section in docs/api.md. `tests/test_openapi.py` then fails until the app serves the
+route, and checks its authentication errors against the document; add its real success and
+refusals to that file as for the routes there.
 """
 
 from __future__ import annotations
@@ -21,7 +34,7 @@ import msgspec
 
 from api import schemas as s
 
-__all__ = ["ERROR_CODES", "FIELD_CODES", "ROUTES", "Header", "Query", "Route", "document",
+__all__ = ["ERROR_CODES", "FIELD_CODES", "ROUTES", "TAGS", "Header", "Query", "Route", "document",
            "document_json"]
 
 # ---- error codes: the one list (docs/api.md repeats it for people; a test keeps them equal) --
@@ -202,6 +215,11 @@ ROUTES: tuple[Route, ...] = (
 )
 
 # ---- building the document ------------------------------------------------------------------
+TAGS = {"gate": "Admission and booking of metered work.",
+        "events": "Business events, stored once and rated later.",
+        "wallet": "Balances of billing accounts.",
+        "reports": "Usage reports.",
+        "ops": "Health."}
 _REF = "#/components/schemas/{name}"
 _SECURITY_SCHEME = "SVC-AUTH"
 _SVC_AUTH_TEXT = (
@@ -338,9 +356,8 @@ def document() -> dict[str, Any]:
                            "docs/api.md in the repository describes routes, signing and error codes.",
             "license": {"name": "Apache-2.0", "identifier": "Apache-2.0"},
         },
-        "tags": [{"name": "gate", "description": "Admission and booking of metered work."},
-                 {"name": "events", "description": "Business events, stored once and rated later."},
-                 {"name": "ops", "description": "Health."}],
+        "tags": [{"name": tag, "description": TAGS.get(tag, "")} for tag in sorted(
+            {r.tag for r in ROUTES}, key=lambda tag: (list(TAGS).index(tag) if tag in TAGS else len(TAGS), tag))],
         "paths": paths,
         "components": {
             "schemas": dict(sorted(components.items())),
