@@ -7,10 +7,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from litestar import Litestar, Request, Response, get, head
-from litestar.openapi import OpenAPIConfig
-from litestar.openapi.plugins import SwaggerRenderPlugin
 
 from api.direct import DirectRoutes
+from api.docs import DOCS_HANDLERS
 from api.envelope import Reply, TraceIdMiddleware, handle_exception, ok
 from api.events.controller import EventsController, record_event, record_event_batch
 from api.gate import controller as gate
@@ -62,12 +61,12 @@ def create_app(settings: Settings, *, on_stop: Sequence[Callable[[], None]] = ()
 
     app = Litestar(
         route_handlers=[healthz, healthz_head, EventsController, GateController, LimitsController,
-                        WalletController, ReportsController],
+                        WalletController, ReportsController, *DOCS_HANDLERS],
         on_startup=[start],
         on_shutdown=[stop],
         exception_handlers={Exception: handle_exception},  # type: ignore[dict-item]
-        openapi_config=OpenAPIConfig(title="tollgate", version="0.1.0", path="/schema",
-                                     render_plugins=[SwaggerRenderPlugin()]),
+        # The OpenAPI document is the route table's (api/openapi.py), served by api/docs.py.
+        openapi_config=None,
         request_max_body_size=settings.max_body_bytes,
         debug=False,
     )

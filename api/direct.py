@@ -9,8 +9,9 @@ the HTTP process's time per gate call (measured with py-spy under `bench/gate.py
 `DIRECT_ROUTES` goes straight to its handler, with the same trace id rule as
 `TraceIdMiddleware`, the same error mapping (`api.envelope.error_reply`) and the same
 `X-Request-Id` on the response. Every other request (other methods, other paths, trailing
-slashes, lifespan) goes to Litestar unchanged, and Litestar still declares these routes, so
-the OpenAPI document lists them and a server that bypasses this wrapper gives the same answers.
+slashes, lifespan) goes to Litestar unchanged, and Litestar still declares these routes, so a
+server that bypasses this wrapper gives the same answers. The OpenAPI document describes them
+from the route table of `api.openapi`, as every route.
 """
 
 from __future__ import annotations
