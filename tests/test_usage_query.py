@@ -181,3 +181,11 @@ def test_totals_families_filters_and_months(lake: Any) -> None:
 def test_an_empty_range_has_no_rows(lake: Any) -> None:
     start, end = datetime(2025, 1, 1, tzinfo=UTC), datetime(2025, 2, 1, tzinfo=UTC)
     assert query_usage(lake, slice_of(start, end)) == []
+
+
+def test_a_lake_without_the_rollup_is_summed_from_its_lines(lake: Any) -> None:
+    """A lake from before lake.usage_days, read before the service's first writable attach
+    has added it: the same sums, from the lines."""
+    for start, end in ((datetime(2026, 11, 1, tzinfo=UTC), datetime(2026, 12, 1, tzinfo=UTC)),
+                       (datetime(2026, 11, 5, 10, 30, tzinfo=UTC), datetime(2026, 11, 6, 12, tzinfo=UTC))):
+        assert query_usage(lake, slice_of(start, end), rollup=False) == query_usage(lake, slice_of(start, end))

@@ -79,7 +79,7 @@ mark AS ({mark}),
 rolled AS (
     SELECT CAST(u.day - DATE '1970-01-01' AS BIGINT) AS day, u.billing_account_id, u.feature_code,
            u.meter_code, u.price_id, u.quantity_minor, u.amount_xusd, u.lines, u.sources
-    FROM lake.usage_days AS u
+    FROM {usage_days} AS u
     WHERE {days} AND (u.run_id = 'gate' OR u.run_id IN (SELECT run_id FROM batch_runs))
 ),
 edge_swept AS (
@@ -151,6 +151,18 @@ daily AS (
 """
 
 
+_EMPTY_ROLLUP = ("SELECT ''::VARCHAR AS run_id, ''::VARCHAR AS realm, ''::VARCHAR AS billing_account_id,"
+                 " DATE '1970-01-01' AS day, ''::VARCHAR AS feature_code, ''::VARCHAR AS meter_code,"
+                 " ''::VARCHAR AS price_id, 0::HUGEINT AS quantity_minor, 0::HUGEINT AS amount_xusd,"
+                 " 0::BIGINT AS lines, 0::BIGINT AS sources")
+
+
+def _has_rollup(conn: duckdb.DuckDBPyConnection) -> bool:
+    with conn.cursor() as cur:
+        return cur.execute("SELECT count(*) FROM duckdb_tables() WHERE database_name = 'lake'"
+                           " AND table_name = 'usage_days'").fetchone() == (1,)
+
+
 def _midnight(moment: datetime, *, up: bool) -> datetime:
     day = datetime(moment.year, moment.month, moment.day, tzinfo=timezone.utc)
     return day + timedelta(days=1) if up and day < moment else day
@@ -198,12 +210,15 @@ class LakeReader:
 
 
 
-def query_usage(conn: duckdb.DuckDBPyConnection, usage: UsageSlice) -> list[dict[str, Any]]:
+def query_usage(conn: duckdb.DuckDBPyConnection, usage: UsageSlice, *,
+                rollup: bool | None = None) -> list[dict[str, Any]]:
     """The slice's rows: one dict per group, dimension values as text (the bucket as a UTC
-    datetime) and metrics as Python ints (exact; the sums are HUGEINTs)."""
+    datetime) and metrics as Python ints (exact; the sums are HUGEINTs). `rollup`: read
+    lake.usage_days for whole days (None: when the lake has it)."""
     start, end = usage.start.astimezone(timezone.utc), usage.end.astimezone(timezone.utc)
     first, last = _midnight(start, up=True), _midnight(end, up=False)
-    if first >= last:  # no whole day: everything from the lines
+    rolled = _has_rollup(conn) if rollup is None else rollup
+    if first >= last or not rolled:  # no whole day, or a lake not yet given its rollup
         first = last = start
     accounts = dict(usage.filters).get("billing_account_id")
     account_marks = ", ".join("?" for _ in accounts or ())
@@ -227,7 +242,10 @@ def query_usage(conn: duckdb.DuckDBPyConnection, usage: UsageSlice) -> list[dict
     edges_r, edges_r_params = edges("r")
     scope_e, scope_e_params = scope("e", "occurred_at", start, end)
     scope_r, scope_r_params = scope("r", "occurred_at", start, end)
-    sql = _PARTS.format(batch_runs=_BATCH_RUNS, kinds=_KINDS, mark=_MARK, days=days_where,
+    # A lake from before lake.usage_days gets it on the next writable attach (the service's
+    # exporter attaches at start); until then every day is summed from the lines.
+    usage_days = "lake.usage_days" if rolled else f"(SELECT * FROM ({_EMPTY_ROLLUP}) WHERE FALSE)"
+    sql = _PARTS.format(usage_days=usage_days, batch_runs=_BATCH_RUNS, kinds=_KINDS, mark=_MARK, days=days_where,
                         day_l=_DAY.format(t="l"), day_r=_DAY.format(t="r"), edges_l=edges_l,
                         edges_r=edges_r, scope_e=scope_e, scope_r=scope_r)
     # Placeholders bind in order of appearance.
