@@ -67,6 +67,7 @@ def serve(*, host: Host = None, port: Port = None, data_dir: DataDir = None) -> 
         raise CommandError(f"cannot listen on {settings.host}:{settings.port}:"
                            f" {exc.strerror or exc}", 2) from None
     _bootstrap(settings)
+    _prepare_lake(settings)
     # The flows' schedules run in a process of their own beside the HTTP process and the
     # writer; they read and write the lake only. The app stops them as it shuts down
     # (uvicorn ends this process by the signal that stopped it, so the `finally` below is
@@ -115,6 +116,22 @@ def _bootstrap(settings: Settings) -> None:
         print("tollgate: no service key yet, created a demo key for realm 'acme' "
               f"(stored in {settings.keys_path}, mode 0600):")
         print(json.dumps({"key_id": key.key_id, "secret": key.secret}))
+
+
+def _prepare_lake(settings: Settings) -> None:
+    """Attach the lake once, writable, before anything serves: a new data folder gets its
+    lake, and a lake written by an older version gets its upgrades (the usage rollup of
+    every line it holds, `warehouse.usage_days`) before a report reads it."""
+    import time
+
+    from warehouse.lake import connect_lake
+
+    began = time.monotonic()
+    conn = connect_lake(settings.data_dir)
+    conn.close()
+    took = time.monotonic() - began
+    if took > 5:
+        print(f"tollgate: the lake took {took:.0f} s to prepare (a one-time upgrade)")
 
 
 def _cli_command() -> str:

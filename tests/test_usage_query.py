@@ -189,3 +189,22 @@ def test_a_lake_without_the_rollup_is_summed_from_its_lines(lake: Any) -> None:
     for start, end in ((datetime(2026, 11, 1, tzinfo=UTC), datetime(2026, 12, 1, tzinfo=UTC)),
                        (datetime(2026, 11, 5, 10, 30, tzinfo=UTC), datetime(2026, 11, 6, 12, tzinfo=UTC))):
         assert query_usage(lake, slice_of(start, end), rollup=False) == query_usage(lake, slice_of(start, end))
+
+
+def test_an_older_lake_gets_its_rollup_on_the_next_writable_attach(tmp_path: Path) -> None:
+    """The rollup of a lake from before lake.usage_days is made from the rows it holds."""
+    feed = LakeFeed(tmp_path)
+    conn = connect_lake(tmp_path)
+    lock = RatingLock(tmp_path / "lake" / "rating.lock")
+    plan = apply_catalog(tmp_path, catalog_toml(policies=POLICIES, prices=PRICES))
+    feed.add(llm("acct_a", "2026-11-05T10:00:00Z", 3000, 500), llm("acct_b", "2026-11-06T10:00:00Z", 1000))
+    close_aggregate_days(conn, plan, lock, lateness={"acme": 3600}, now=datetime(2026, 11, 7, tzinfo=UTC))
+    _gate_line(conn, "acct_b", datetime(2026, 11, 6, 1, tzinfo=UTC), 4200, 630)
+    made = conn.execute("SELECT * FROM lake.usage_days ORDER BY ALL").fetchall()
+    assert made
+    conn.execute("DROP TABLE lake.usage_days")
+    conn.close()
+    again = connect_lake(tmp_path)
+    assert again.execute("SELECT * FROM lake.usage_days ORDER BY ALL").fetchall() == made
+    again.close()
+    feed.close()

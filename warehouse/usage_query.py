@@ -25,6 +25,7 @@ current lines and current sources (events, aggregate days, commits: their line 0
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -69,98 +70,84 @@ _MARK = ("SELECT CAST(json_extract_string(params, '$.through_export_id') AS BIGI
          " - INTERVAL 1 HOUR AS since FROM batch_runs WHERE json_extract_string(params, '$.through_export_id')"
          " IS NOT NULL ORDER BY 1 DESC, 2 DESC LIMIT 1")
 
-# Per part, rows of (day, billing_account_id, feature_code, meter_code, price_id,
-# quantity_minor, amount_xusd, lines, sources). {days}: the whole days, {edges}: the
-# partial ones (a condition on occurred_at, alias given), {scope}: realm, range and accounts.
-_PARTS = """
-WITH batch_runs AS ({batch_runs}),
-kinds AS {kinds},
-mark AS ({mark}),
-rolled AS (
-    SELECT CAST(u.day - DATE '1970-01-01' AS BIGINT) AS day, u.billing_account_id, u.feature_code,
+# Each part yields rows of (day, billing_account_id, feature_code, meter_code, price_id,
+# quantity_minor, amount_xusd, lines, sources); only the parts a slice needs are written
+# into its query. {scope}: realm, range and accounts of a table alias.
+_ROLLED = """
+    SELECT CAST(u.day - DATE '1970-01-01' AS BIGINT), u.billing_account_id, u.feature_code,
            u.meter_code, u.price_id, u.quantity_minor, u.amount_xusd, u.lines, u.sources
-    FROM {usage_days} AS u
-    WHERE {days} AND (u.run_id = 'gate' OR u.run_id IN (SELECT run_id FROM batch_runs))
-),
-edge_swept AS (
+    FROM lake.usage_days AS u
+    WHERE {scope} AND (u.run_id = 'gate' OR u.run_id IN (SELECT run_id FROM batch_runs))"""
+_SWEPT = """
     SELECT s.day, s.billing_account_id, k.feature_code, k.meter_code, k.price_id, s.q, s.a, s.n,
            CASE WHEN k.line_index = 0 THEN s.n ELSE 0 END
-    FROM (SELECT {day_l} AS day, l.billing_account_id, l.line_id, sum(l.quantity_minor)::HUGEINT AS q,
+    FROM (SELECT {day} AS day, l.billing_account_id, l.line_id, sum(l.quantity_minor)::HUGEINT AS q,
                  sum(l.amount_xusd)::HUGEINT AS a, count(*) AS n
-          FROM lake.rating_lines AS l WHERE {edges_l} GROUP BY ALL) AS s
+          FROM lake.rating_lines AS l WHERE {scope} GROUP BY ALL) AS s
     JOIN kinds AS k ON k.line_id = s.line_id
-    WHERE k.status = 'rated'
-),
-stored AS (
-    SELECT r.*, {day_r} AS day,
-           CASE WHEN r.line_id IS NULL THEN r.status ELSE k.status END AS kstatus,
-           CASE WHEN r.line_id IS NULL THEN r.feature_code ELSE k.feature_code END AS kfeature,
-           CASE WHEN r.line_id IS NULL THEN r.meter_code ELSE k.meter_code END AS kmeter,
-           CASE WHEN r.line_id IS NULL THEN r.line_index ELSE k.line_index END AS kindex,
-           CASE WHEN r.source = 'gate_commit' THEN 'gate'
-                WHEN r.run_id IN (SELECT run_id FROM batch_runs) THEN 'batch' ELSE 'inline' END AS origin
+    WHERE k.status = 'rated'"""
+# Rows of rating_rows (`{which}`: the batch runs' and the gate's, or given inline events'),
+# described by their kind when they name one.
+_STORED = """
+    SELECT {day}, r.billing_account_id,
+           CASE WHEN r.line_id IS NULL THEN r.feature_code ELSE k.feature_code END,
+           CASE WHEN r.line_id IS NULL THEN r.meter_code ELSE k.meter_code END,
+           r.price_id, r.quantity_minor, r.amount_xusd, {sign},
+           CASE WHEN (CASE WHEN r.line_id IS NULL THEN r.line_index ELSE k.line_index END) = 0
+                THEN {sign} ELSE 0 END
     FROM lake.rating_rows AS r LEFT JOIN kinds AS k ON k.line_id = r.line_id
-    WHERE {edges_r}
-),
+    WHERE {scope} AND {which}
+      AND (CASE WHEN r.line_id IS NULL THEN r.status ELSE k.status END) IN ('rated', 'reversal')"""
+_SIGN = ("(CASE (CASE WHEN r.line_id IS NULL THEN r.status ELSE k.status END)"
+         " WHEN 'reversal' THEN -1 ELSE 1 END)")
+_NOT_INLINE = "(r.source = 'gate_commit' OR r.run_id IN (SELECT run_id FROM batch_runs))"
+# The inline rows that may be current: those of events beyond the sweeps' watermark.
+_INLINE_CANDIDATES = """
+WITH batch_runs AS ({batch_runs}), mark AS ({mark}),
 candidates AS (
     SELECT e.event_id, e.created_at FROM lake.events AS e
     WHERE {scope_e} AND e.export_id > coalesce((SELECT through FROM mark), -1)
-),
-inline_rows AS (
-    SELECT r.*, {day_r} AS day,
-           CASE WHEN r.line_id IS NULL THEN r.status ELSE k.status END AS kstatus,
-           CASE WHEN r.line_id IS NULL THEN r.feature_code ELSE k.feature_code END AS kfeature,
-           CASE WHEN r.line_id IS NULL THEN r.meter_code ELSE k.meter_code END AS kmeter,
-           CASE WHEN r.line_id IS NULL THEN r.line_index ELSE k.line_index END AS kindex
-    FROM lake.rating_rows AS r LEFT JOIN kinds AS k ON k.line_id = r.line_id
-    WHERE {scope_r} AND r.source = 'event' AND r.run_id NOT IN (SELECT run_id FROM batch_runs)
-      AND r.rated_at >= (SELECT coalesce(min(created_at), TIMESTAMPTZ 'infinity') FROM candidates)
-      AND r.event_id IN (SELECT event_id FROM candidates)
-),
-recent_runs AS (
-    SELECT run_id FROM batch_runs
-    WHERE (SELECT since FROM mark) IS NULL OR started_at >= (SELECT since FROM mark)
-),
-rated_lately AS (
-    SELECT event_id FROM lake.rating_lines
-    WHERE run_id IN (SELECT run_id FROM recent_runs) AND event_id IN (SELECT event_id FROM inline_rows)
-    UNION
-    SELECT event_id FROM lake.rating_rows
-    WHERE run_id IN (SELECT run_id FROM recent_runs) AND event_id IN (SELECT event_id FROM inline_rows)
-),
-lines AS (
-    SELECT * FROM rolled
-    UNION ALL SELECT * FROM edge_swept
-    UNION ALL
-    SELECT day, billing_account_id, kfeature, kmeter, price_id, quantity_minor, amount_xusd,
-           CASE kstatus WHEN 'reversal' THEN -1 ELSE 1 END,
-           CASE WHEN kindex = 0 THEN (CASE kstatus WHEN 'reversal' THEN -1 ELSE 1 END) ELSE 0 END
-    FROM stored WHERE origin <> 'inline' AND kstatus IN ('rated', 'reversal')
-    UNION ALL
-    SELECT day, billing_account_id, kfeature, kmeter, price_id, quantity_minor, amount_xusd,
-           CASE kstatus WHEN 'reversal' THEN -1 ELSE 1 END,
-           CASE WHEN kindex = 0 THEN (CASE kstatus WHEN 'reversal' THEN -1 ELSE 1 END) ELSE 0 END
-    FROM inline_rows
-    WHERE kstatus IN ('rated', 'reversal') AND event_id NOT IN (SELECT event_id FROM rated_lately)
-),
-daily AS (
-    SELECT day, billing_account_id, feature_code, meter_code, price_id, sum(quantity_minor) AS quantity_minor,
-           sum(amount_xusd) AS amount_xusd, sum(lines) AS lines, sum(sources) AS sources
-    FROM lines GROUP BY ALL
 )
-"""
-
-
-_EMPTY_ROLLUP = ("SELECT ''::VARCHAR AS run_id, ''::VARCHAR AS realm, ''::VARCHAR AS billing_account_id,"
-                 " DATE '1970-01-01' AS day, ''::VARCHAR AS feature_code, ''::VARCHAR AS meter_code,"
-                 " ''::VARCHAR AS price_id, 0::HUGEINT AS quantity_minor, 0::HUGEINT AS amount_xusd,"
-                 " 0::BIGINT AS lines, 0::BIGINT AS sources")
+SELECT DISTINCT r.event_id, (SELECT since FROM mark) FROM lake.rating_rows AS r
+WHERE {scope_r} AND r.source = 'event' AND r.run_id NOT IN (SELECT run_id FROM batch_runs)
+  AND r.rated_at >= (SELECT coalesce(min(created_at), TIMESTAMPTZ 'infinity') FROM candidates)
+  AND r.event_id IN (SELECT event_id FROM candidates)"""
+# Of those, the events a batch run that started after the watermark's read has rated.
+_RATED_LATELY = """
+WITH batch_runs AS ({batch_runs}),
+recent AS (SELECT run_id FROM batch_runs WHERE ? IS NULL OR started_at >= ?),
+wanted AS (SELECT unnest(CAST(? AS UUID[])) AS event_id)
+SELECT DISTINCT event_id FROM lake.rating_lines
+WHERE run_id IN (SELECT run_id FROM recent) AND event_id IN (SELECT event_id FROM wanted)
+UNION
+SELECT DISTINCT event_id FROM lake.rating_rows
+WHERE run_id IN (SELECT run_id FROM recent) AND event_id IN (SELECT event_id FROM wanted)"""
 
 
 def _has_rollup(conn: duckdb.DuckDBPyConnection) -> bool:
     with conn.cursor() as cur:
         return cur.execute("SELECT count(*) FROM duckdb_tables() WHERE database_name = 'lake'"
                            " AND table_name = 'usage_days'").fetchone() == (1,)
+
+
+def _current_inline(conn: duckdb.DuckDBPyConnection,
+                    scope: Callable[[str, str, Any, Any], tuple[str, list[Any]]],
+                    start: datetime, end: datetime) -> list[str]:
+    """The events of the slice whose inline rows are current: beyond the sweeps' watermark
+    and not rated by a batch run since. Two small queries: their cost follows the sweep's
+    lag (the events beyond the watermark), not the lake's history."""
+    where_e, params_e = scope("e", "occurred_at", start, end)
+    where_r, params_r = scope("r", "occurred_at", start, end)
+    with conn.cursor() as cur:
+        found = cur.execute(_INLINE_CANDIDATES.format(batch_runs=_BATCH_RUNS, mark=_MARK, scope_e=where_e,
+                                                      scope_r=where_r), params_e + params_r).fetchall()
+        if not found:
+            return []
+        since = found[0][1]
+        events = [str(row[0]) for row in found]
+        rated = {str(row[0]) for row in cur.execute(_RATED_LATELY.format(batch_runs=_BATCH_RUNS),
+                                                    [since, since, events]).fetchall()}
+    return [e for e in events if e not in rated]
 
 
 def _midnight(moment: datetime, *, up: bool) -> datetime:
@@ -217,39 +204,49 @@ def query_usage(conn: duckdb.DuckDBPyConnection, usage: UsageSlice, *,
     lake.usage_days for whole days (None: when the lake has it)."""
     start, end = usage.start.astimezone(timezone.utc), usage.end.astimezone(timezone.utc)
     first, last = _midnight(start, up=True), _midnight(end, up=False)
-    rolled = _has_rollup(conn) if rollup is None else rollup
-    if first >= last or not rolled:  # no whole day, or a lake not yet given its rollup
+    if first >= last or not (_has_rollup(conn) if rollup is None else rollup):
+        # No whole day, or a lake not yet given its rollup (the service's start adds it):
+        # every day from the lines.
         first = last = start
     accounts = dict(usage.filters).get("billing_account_id")
-    account_marks = ", ".join("?" for _ in accounts or ())
 
     def scope(t: str, column: str, low: Any, high: Any) -> tuple[str, list[Any]]:
         where = f"{t}.realm = ? AND {t}.{column} >= ? AND {t}.{column} < ?"
         params: list[Any] = [usage.realm, low, high]
         if accounts is not None:
-            where += f" AND {t}.billing_account_id IN ({account_marks})"
+            where += f" AND {t}.billing_account_id IN ({', '.join('?' for _ in accounts)})"
             params.extend(accounts)
         return where, params
 
-    def edges(t: str) -> tuple[str, list[Any]]:
-        """The partial days: [start, first) and [last, end), each empty when aligned."""
-        low, low_params = scope(t, "occurred_at", start, first)
-        high, high_params = scope(t, "occurred_at", last, end)
-        return f"(({low}) OR ({high}))", low_params + high_params
-
-    days_where, days_params = scope("u", "day", first.date(), last.date())
-    edges_l, edges_l_params = edges("l")
-    edges_r, edges_r_params = edges("r")
-    scope_e, scope_e_params = scope("e", "occurred_at", start, end)
-    scope_r, scope_r_params = scope("r", "occurred_at", start, end)
-    # A lake from before lake.usage_days gets it on the next writable attach (the service's
-    # exporter attaches at start); until then every day is summed from the lines.
-    usage_days = "lake.usage_days" if rolled else f"(SELECT * FROM ({_EMPTY_ROLLUP}) WHERE FALSE)"
-    sql = _PARTS.format(usage_days=usage_days, batch_runs=_BATCH_RUNS, kinds=_KINDS, mark=_MARK, days=days_where,
-                        day_l=_DAY.format(t="l"), day_r=_DAY.format(t="r"), edges_l=edges_l,
-                        edges_r=edges_r, scope_e=scope_e, scope_r=scope_r)
-    # Placeholders bind in order of appearance.
-    params: list[Any] = [*days_params, *edges_l_params, *edges_r_params, *scope_e_params, *scope_r_params]
+    parts: list[str] = []
+    params: list[Any] = []
+    if first < last:
+        where, more = scope("u", "day", first.date(), last.date())
+        parts.append(_ROLLED.format(scope=where))
+        params += more
+    for low, high in ((start, first), (last, end)) if first < last else ((start, end),):
+        if low >= high:
+            continue  # an aligned edge: nothing outside the whole days
+        where, more = scope("l", "occurred_at", low, high)
+        parts.append(_SWEPT.format(day=_DAY.format(t="l"), scope=where))
+        params += more
+        where, more = scope("r", "occurred_at", low, high)
+        parts.append(_STORED.format(day=_DAY.format(t="r"), sign=_SIGN, scope=where, which=_NOT_INLINE))
+        params += more
+    inline = _current_inline(conn, scope, start, end)
+    if inline:
+        where, more = scope("r", "occurred_at", start, end)
+        parts.append(_STORED.format(day=_DAY.format(t="r"), sign=_SIGN, scope=where, which=(
+            "r.source = 'event' AND r.run_id NOT IN (SELECT run_id FROM batch_runs)"
+            " AND r.event_id IN (SELECT unnest(CAST(? AS UUID[])))")))
+        params += [*more, inline]
+    union = " UNION ALL ".join(parts)
+    sql = (f"WITH batch_runs AS ({_BATCH_RUNS}), kinds AS {_KINDS},"
+           f" lines (day, billing_account_id, feature_code, meter_code, price_id, quantity_minor,"
+           f" amount_xusd, lines, sources) AS ({union}),"
+           " daily AS (SELECT day, billing_account_id, feature_code, meter_code, price_id,"
+           " sum(quantity_minor) AS quantity_minor, sum(amount_xusd) AS amount_xusd,"
+           " sum(lines) AS lines, sum(sources) AS sources FROM lines GROUP BY ALL) ")
     params.append([f for f, _ in usage.families])
     params.append([fam for _, fam in usage.families])
     dims = [d for d in usage.group_by if not (d == "bucket_start" and usage.collapse_buckets)]
