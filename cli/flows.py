@@ -116,7 +116,13 @@ def run(name: Annotated[str, Parameter(metavar="NAME")], /, *,
         quiet.disabled = False
     params["data_dir"] = str(settings.data_dir)
     _console_without_tracebacks()
-    state = flow(**params, return_state=True)
+    from flows.prefect_api import ApiDidNotStart, flow_api
+
+    try:
+        with flow_api(settings.data_dir):
+            state = flow(**params, return_state=True)
+    except ApiDidNotStart as exc:
+        raise CommandError(str(exc), 1) from None
     if not state.is_completed():
         raise CommandError(f"flow {name} ended {state.name}: {state.message}", 1)
     print(json.dumps(state.result(), indent=2, default=str))

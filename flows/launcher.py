@@ -19,6 +19,7 @@ import sys
 import threading
 
 from core.settings import Settings
+from flows.prefect_api import server_environment
 from flows.process_memory import environment
 
 __all__ = ["FlowScheduler"]
@@ -55,7 +56,8 @@ class FlowScheduler:
         return subprocess.Popen(
             [sys.executable, "-m", "flows.scheduler", "--data-dir", str(settings.data_dir),
              "--parent-pid", str(os.getpid()), "--stop-on-eof"],
-            start_new_session=True, env=environment(os.environ), stdin=subprocess.PIPE,
+            start_new_session=True, env=server_environment(environment(os.environ)),
+            stdin=subprocess.PIPE,
         )
 
     def _watch(self) -> None:

@@ -34,6 +34,7 @@ from core.clock import SYSTEM_CLOCK, Clock
 from core.schedules import SCHEDULED, Deployment, scheduled_with_overrides
 from core.settings import Settings
 from flows import flow_named
+from flows.prefect_api import flow_api
 
 __all__ = ["main", "run_schedule"]
 
@@ -113,7 +114,8 @@ def run_schedule(data_dir: Path, schedule: Sequence[Deployment] = SCHEDULED,
             log.info("stopped by the service")
             _leave()
         try:
-            flow_named(name)(data_dir=str(data_dir))
+            with flow_api(data_dir, owned=True):
+                flow_named(name)(data_dir=str(data_dir))
         except BaseException as exc:
             # Prefect's TerminationSignal is a BaseException: bare when the signal came
             # while the flow ran Python (the sweep's carry), inside a DuckDB error when it
