@@ -13,7 +13,7 @@ them see the same settings.
 | TOLLGATE_SCHEDULES                | on           | whether `serve` runs the flows' schedules  |
 | TOLLGATE_SCHEDULE_SECONDS         | (none)       | intervals, e.g. `rate-events=30`           |
 | TOLLGATE_FLOW_MEMORY_LIMIT        | 1GB          | DuckDB's memory limit in a flow            |
-| TOLLGATE_PREFECT_API_IDLE_SECONDS | 600          | how long the local Prefect API that `flows run` keeps waits for a request (0: none kept) |
+| TOLLGATE_PREFECT_API_IDLE_SECONDS | 600          | when the Prefect API `flows run` keeps stops (`flows.prefect_api`); 0: none kept |
 """
 
 from __future__ import annotations
