@@ -81,7 +81,12 @@ def flow_api(data_dir: Path, *, owned: bool = False) -> Iterator[str | None]:
     the API's URL, None for the temporary one."""
     # Prefect's temporary server takes this process's environment when it starts.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_UI_URL,
+        get_current_settings,
+        temporary_settings,
+    )
 
     settings = Settings.from_env(data_dir)
     if get_current_settings().api.url or (not owned and settings.prefect_api_idle_seconds == 0):
@@ -89,7 +94,10 @@ def flow_api(data_dir: Path, *, owned: bool = False) -> Iterator[str | None]:
         return
     url = local_api(settings.data_dir, owned=owned,
                     idle_seconds=0 if owned else settings.prefect_api_idle_seconds)
-    with temporary_settings(updates={PREFECT_API_URL: url}):
+    # The local API serves no UI: no "View at" link to a page nobody serves (unless the
+    # user names a UI).
+    ui = get_current_settings().ui_url or ""
+    with temporary_settings(updates={PREFECT_API_URL: url, PREFECT_UI_URL: ui}):
         yield url
 
 
