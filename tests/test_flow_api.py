@@ -89,6 +89,7 @@ def test_flows_run_keeps_a_local_api_so_a_run_with_nothing_to_do_is_quick(
     for done in (first, second):
         no_error_line(done.stdout, done.stderr)
         assert "temporary server" not in done.stderr, done.stderr
+        assert "View at" not in done.stderr, done.stderr  # the local API serves no UI
     pid = int(str(api["pid"]))
     assert analytics_off(pid)
     # Detached: it outlived the runs, and ends by itself once idle.
