@@ -7,6 +7,8 @@ This module also owns the service's base URL, which `serve` prints in its banner
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 from typing import Annotated
 
 from cyclopts import Parameter
@@ -22,9 +24,25 @@ def base_url(settings: Settings) -> str:
     return f"http://{host}:{settings.port}"
 
 
+def _body(data: str | None) -> bytes:
+    """The request body of --data: the text itself, or (curl's convention) the bytes of the
+    file after an @, standard input for @-; sent as they are, so the signature covers them."""
+    if not data:
+        return b""
+    if not data.startswith("@"):
+        return data.encode()
+    name = data[1:]
+    if name == "-":
+        return sys.stdin.buffer.read()
+    try:
+        return Path(name).read_bytes()
+    except OSError as exc:
+        raise CommandError(f"--data {data}: cannot read {name!r}: {exc.strerror or exc}", 2) from None
+
+
 def call(method: Annotated[str, Parameter(metavar="METHOD")],
          path: Annotated[str, Parameter(metavar="PATH")], /, *,
-         data: Annotated[str | None, Parameter(metavar="JSON")] = None,
+         data: Annotated[str | None, Parameter(metavar="JSON|@FILE")] = None,
          account: Annotated[str | None, Parameter(metavar="ACCOUNT")] = None,
          principal: Annotated[str | None, Parameter(metavar="PRINCIPAL")] = None,
          realm: Annotated[str | None, Parameter(metavar="REALM")] = None,
@@ -45,7 +63,7 @@ def call(method: Annotated[str, Parameter(metavar="METHOD")],
     path
         request path, starting with / (e.g. /mgt/v1/events)
     data
-        JSON body
+        JSON body; @FILE reads it from FILE, @- from standard input
     account
         X-Billing-Account-Id
     principal
@@ -81,7 +99,7 @@ def call(method: Annotated[str, Parameter(metavar="METHOD")],
         which = f" {key_id!r}" if key_id else f" of realm {realm!r}" if realm else ""
         raise CommandError(f"no enabled service key{which} in the data folder {settings.data_dir}", 1)
     key = keys[0]
-    body = (data or "").encode()
+    body = _body(data)
     headers = sign_headers(key_id=key.key_id, secret=key.secret, method=method, path=path,
                            body=body, realm=realm or key.realm, principal_id=principal,
                            billing_account_id=account, idempotency_key=idempotency_key)

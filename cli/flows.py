@@ -7,8 +7,10 @@ NAME is one of rate-events, rerate, close-aggregate-days, publish-usage-reports,
 compact-lake. A `--param` value is read as JSON when it parses as JSON, else taken as a
 string, so `--param accounts='["acct_a"]'` passes a list and
 `--param occurred_from=2026-11-01T00:00:00Z` a string. The run is a Prefect flow run: on the
-API of PREFECT_API_URL when set, else on a temporary local one. Exit code 0 when the run
-completed, 1 when it failed; its result is printed as JSON.
+API of PREFECT_API_URL when set, else on the data folder's local API, which the first run
+starts and the runs after it reuse, or which a running `tollgate serve` provides
+(`flows.prefect_api`). Exit code 0 when the run completed, 1 when it failed; its result is
+printed as JSON.
 """
 
 from __future__ import annotations
@@ -63,8 +65,10 @@ def run(name: Annotated[str, Parameter(metavar="NAME")], /, *,
     NAME is rate-events, rerate, close-aggregate-days, publish-usage-reports or
     compact-lake. A --param value is JSON when it parses as JSON, else a string:
     --param accounts='["acct_a"]' passes a list. The run is on the Prefect API
-    of PREFECT_API_URL when set, else on a temporary local one. Exit code 0
-    when the run completed, 1 when it failed, 2 when it could not start.
+    of PREFECT_API_URL when set, else on the data folder's local one (started
+    by the first run, or by tollgate serve; it stops after 10 idle minutes).
+    Exit code 0 when the run completed, 1 when it failed, 2 when it could not
+    start.
 
     Parameters
     ----------
@@ -116,7 +120,13 @@ def run(name: Annotated[str, Parameter(metavar="NAME")], /, *,
         quiet.disabled = False
     params["data_dir"] = str(settings.data_dir)
     _console_without_tracebacks()
-    state = flow(**params, return_state=True)
+    from flows.prefect_api import ApiDidNotStart, flow_api
+
+    try:
+        with flow_api(settings.data_dir):
+            state = flow(**params, return_state=True)
+    except ApiDidNotStart as exc:
+        raise CommandError(str(exc), 1) from None
     if not state.is_completed():
         raise CommandError(f"flow {name} ended {state.name}: {state.message}", 1)
     print(json.dumps(state.result(), indent=2, default=str))

@@ -9,6 +9,8 @@
     reports/             usage reports as Parquet, written by publish-usage-reports;
                          `charts/` its usage charts, one PNG per account and month
     .serve.lock          held by the one `tollgate serve` of this folder
+    prefect-api.json     the address of the folder's local Prefect API (`flows.prefect_api`);
+                         `prefect-api.log` its output, `.prefect-api.lock` held while one starts
 """
 
 from __future__ import annotations
@@ -64,3 +66,15 @@ class DataFolder:
     @property
     def serve_lock(self) -> Path:
         return self.root / ".serve.lock"
+
+    @property
+    def prefect_api(self) -> Path:
+        return self.root / "prefect-api.json"
+
+    @property
+    def prefect_api_log(self) -> Path:
+        return self.root / "prefect-api.log"
+
+    @property
+    def prefect_api_lock(self) -> Path:
+        return self.root / ".prefect-api.lock"

@@ -13,6 +13,7 @@ them see the same settings.
 | TOLLGATE_SCHEDULES                | on           | whether `serve` runs the flows' schedules  |
 | TOLLGATE_SCHEDULE_SECONDS         | (none)       | intervals, e.g. `rate-events=30`           |
 | TOLLGATE_FLOW_MEMORY_LIMIT        | 1GB          | DuckDB's memory limit in a flow            |
+| TOLLGATE_PREFECT_API_IDLE_SECONDS | 600          | when the Prefect API `flows run` keeps stops (`flows.prefect_api`); 0: none kept |
 """
 
 from __future__ import annotations
@@ -64,6 +65,26 @@ def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
     return value
 
 
+def _whole_number(env: Mapping[str, str], name: str, default: int) -> int:
+    """A setting of 0 or more.
+
+    >>> _whole_number({"N": "0"}, "N", 600), _whole_number({}, "N", 600)
+    (0, 600)
+    >>> _whole_number({"N": "-1"}, "N", 600)
+    Traceback (most recent call last):
+    ...
+    core.settings.ConfigError: N must be a whole number, 0 or more, not '-1'
+    """
+    text = env.get(name, "").strip() or str(default)
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigError(f"{name} must be a whole number, 0 or more, not {text!r}")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     data_dir: Path
@@ -78,6 +99,9 @@ class Settings:
     # TOLLGATE_SCHEDULE_SECONDS as given (`NAME=SECONDS,...`; read by `core.schedules`).
     schedule_seconds: str = ""
     flow_memory_limit: str = "1GB"
+    # How long the local Prefect API kept by `tollgate flows run` outlives its last request
+    # (`flows.prefect_api`); 0: none is kept.
+    prefect_api_idle_seconds: int = 600
 
     @staticmethod
     def from_env(data_dir: str | os.PathLike[str] | None = None, host: str | None = None,
@@ -95,6 +119,7 @@ class Settings:
             schedules=env.get("TOLLGATE_SCHEDULES", "on").strip().lower(),
             schedule_seconds=env.get("TOLLGATE_SCHEDULE_SECONDS", ""),
             flow_memory_limit=env.get("TOLLGATE_FLOW_MEMORY_LIMIT") or "1GB",
+            prefect_api_idle_seconds=_whole_number(env, "TOLLGATE_PREFECT_API_IDLE_SECONDS", 600),
         )
 
     @property

@@ -4,8 +4,8 @@
 the whole system (sweeps every minute, aggregate days, reports, compaction). It starts
 without waiting and imports nothing heavy before its first run, one interval later, so the
 HTTP service starts as fast as without it. It runs in a session of its own so that `stop`
-ends it together with the temporary Prefect server it may have started, and it ends itself
-when the service dies. A scheduler that dies while the service runs is logged and started
+ends it together with the local Prefect API it may have started (`flows.prefect_api`), and
+it ends itself when the service dies. A scheduler that dies while the service runs is logged and started
 again. TOLLGATE_SCHEDULES=off turns it off; `on` (the default) runs it.
 """
 
@@ -19,6 +19,7 @@ import sys
 import threading
 
 from core.settings import Settings
+from flows.prefect_api import server_environment
 from flows.process_memory import environment
 
 __all__ = ["FlowScheduler"]
@@ -55,7 +56,8 @@ class FlowScheduler:
         return subprocess.Popen(
             [sys.executable, "-m", "flows.scheduler", "--data-dir", str(settings.data_dir),
              "--parent-pid", str(os.getpid()), "--stop-on-eof"],
-            start_new_session=True, env=environment(os.environ), stdin=subprocess.PIPE,
+            start_new_session=True, env=server_environment(environment(os.environ)),
+            stdin=subprocess.PIPE,
         )
 
     def _watch(self) -> None:
@@ -73,7 +75,7 @@ class FlowScheduler:
                     return
                 log.error("the flow scheduler ended (exit code %s); starting it again", code)
                 try:
-                    # Whatever it left in its session (a temporary Prefect server) goes too.
+                    # Whatever it left in its session (its Prefect API) goes too.
                     os.killpg(proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
@@ -86,9 +88,9 @@ class FlowScheduler:
         if proc is None or proc.poll() is not None:
             return
         try:
-            # The scheduler alone: it ends its flow run through the temporary Prefect API and
-            # then stops that server itself. Signalled with it, the server went first and the
-            # flow engine retried its API calls past `timeout`.
+            # The scheduler alone: it ends its flow run through its Prefect API, which
+            # ends after it. Signalled with it, the server went first and the flow engine
+            # retried its API calls past `timeout`.
             proc.send_signal(signal.SIGTERM)
             # Then the end of its input: the scheduler interrupts the query under way, which
             # would hold the signal until it ends (the signal first, so the run is taken

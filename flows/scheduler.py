@@ -4,11 +4,13 @@ A child process of the service that runs each flow as a Prefect flow run on its 
 (`core.schedules`): rate-events every minute, close-aggregate-days every 15 minutes,
 publish-usage-reports every hour, compact-lake daily at 03:30 UTC. The first run of an
 interval comes one interval after start, so the service starts as fast as without it. Runs go to the Prefect API of PREFECT_API_URL when set,
-else to a temporary local one that Prefect starts on the first run.
+else to a local one this process starts as its child at the first run and records in the data
+folder, where `tollgate flows run` finds it (`flows.prefect_api`).
 
 It dies with the service: on Linux the kernel sends it SIGTERM when its parent dies (and it
 ends at once if the parent died before it could ask for that), and
-SIGTERM ends it through `sys.exit`, so Prefect's exit hooks stop the temporary API server.
+SIGTERM ends it through `sys.exit`, and the local API, which the kernel signals when its
+parent ends, stops with it.
 During a flow run Prefect turns SIGTERM into an exception inside the flow (DuckDB reports it as
 an interrupted query): such a failure ends the schedules too, instead of being taken for a
 failed run. A flow that fails is logged and tried again at its next time.
@@ -34,6 +36,7 @@ from core.clock import SYSTEM_CLOCK, Clock
 from core.schedules import SCHEDULED, Deployment, scheduled_with_overrides
 from core.settings import Settings
 from flows import flow_named
+from flows.prefect_api import flow_api
 
 __all__ = ["main", "run_schedule"]
 
@@ -63,9 +66,9 @@ _PARENT: list[int] = []  # the service's pid, when it gave one
 
 def _leave() -> None:
     """End the process. When the service asked and is still there, at once: the service ends
-    this process's session right after, the temporary Prefect API with it (a graceful stop
+    this process's session right after, the local Prefect API with it (a graceful stop
     of that server took up to 8 s, which held `tollgate serve`'s stop). Otherwise through
-    `sys.exit`, whose exit hooks stop that server themselves."""
+    `sys.exit`; the API ends as its parent does."""
     if _STOP.wait(0.5) and _PARENT and os.getppid() == _PARENT[0]:
         logging.shutdown()
         os._exit(0)
@@ -113,7 +116,8 @@ def run_schedule(data_dir: Path, schedule: Sequence[Deployment] = SCHEDULED,
             log.info("stopped by the service")
             _leave()
         try:
-            flow_named(name)(data_dir=str(data_dir))
+            with flow_api(data_dir, owned=True):
+                flow_named(name)(data_dir=str(data_dir))
         except BaseException as exc:
             # Prefect's TerminationSignal is a BaseException: bare when the signal came
             # while the flow ran Python (the sweep's carry), inside a DuckDB error when it

@@ -75,6 +75,44 @@ def processes_of(data_dir: Path, module: str) -> list[int]:
     return found
 
 
+def stop_local_prefect_apis(under: Path, timeout: float = 20) -> None:
+    """End the local Prefect APIs (`python -m flows.prefect_api`) kept for data folders under
+    `under`: one that `tollgate flows run` starts outlives the run (reads /proc)."""
+    prefix = str(under).encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"flows.prefect_api" in argv and any(arg.startswith(prefix) for arg in argv):
+            pids.append(int(entry.name))
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while running(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if running(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (reads /proc)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -149,6 +149,30 @@ def test_call_sends_the_method_it_signs_and_refuses_a_path_without_a_slash(servi
     assert r.returncode == 2 and "must start with '/'" in one_clear_line(r)
 
 
+def test_call_reads_data_from_a_file_or_standard_input_as_curl_does(service: Service,
+                                                                     tmp_path: Path) -> None:
+    body = tmp_path / "event.json"
+    # Sent byte for byte (the signature covers the body): indentation and newline included.
+    body.write_text(json.dumps({**EVENT, "subject_ref": "cli-audit-data-file"}, indent=2) + "\n")
+    r = tollgate("call", "POST", "/mgt/v1/events", "--account", "acct_prepaid", "--data",
+                 f"@{body}", "--port", str(service.port), data_dir=service.data_dir, check=False)
+    assert r.stdout.splitlines()[0] in ("HTTP 201", "HTTP 200"), (r.stdout, r.stderr)
+    assert '"cli-audit-data-file"' in r.stdout
+    piped = subprocess.run(
+        [sys.executable, "-m", "cli", "call", "POST", "/mgt/v1/events", "--account", "acct_prepaid",
+         "--data", "@-", "--port", str(service.port), "--data-dir", str(service.data_dir)],
+        input=json.dumps({**EVENT, "subject_ref": "cli-audit-data-stdin"}), capture_output=True,
+        text=True, timeout=60)
+    assert piped.stdout.splitlines()[0] in ("HTTP 201", "HTTP 200"), (piped.stdout, piped.stderr)
+    assert '"cli-audit-data-stdin"' in piped.stdout
+    missing = tmp_path / "nope.json"
+    r = tollgate("call", "POST", "/mgt/v1/events", "--account", "acct_prepaid", "--data",
+                 f"@{missing}", "--port", str(service.port), data_dir=service.data_dir, check=False)
+    assert r.returncode == 2 and r.stdout == ""
+    assert one_clear_line(r) == (f"tollgate: --data @{missing}: cannot read '{missing}':"
+                                 " No such file or directory")
+
+
 def test_call_with_a_realm_signs_with_a_key_of_that_realm(service: Service) -> None:
     tollgate("keys", "create", "--realm", "globex", data_dir=service.data_dir)
     body = json.dumps({**EVENT, "subject_ref": "cli-audit-realm"})

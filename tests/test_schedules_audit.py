@@ -10,12 +10,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import Service, make_service, processes_of
+from tests.conftest import Service, make_service, processes_of, stop_local_prefect_apis
 from tests.lake_events import LakeFeed, catalog_toml, event
 from tests.test_rating_flows import POLICIES, PRICES, lake_query
 from warehouse.lake import connect_lake
@@ -24,12 +24,15 @@ pytestmark = [pytest.mark.server, pytest.mark.prefect, pytest.mark.skipif(not Pa
 
 
 @pytest.fixture(autouse=True)
-def own_prefect_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each test's Prefect runs (the scheduler's, a hand run's) on a Prefect home of its own."""
+def own_prefect_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each test's Prefect runs (the scheduler's, a hand run's) on a Prefect home of its own;
+    the local Prefect API a hand run leaves behind is stopped after the test."""
     for name in [k for k in os.environ if k.startswith("PREFECT_")]:
         monkeypatch.delenv(name)
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
     monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    yield
+    stop_local_prefect_apis(tmp_path)
 
 
 # A backlog a sweep takes a few seconds over, so a signal sent a second after it began lands
