@@ -37,7 +37,9 @@ def test_the_readme_python_example_runs_as_a_script(service: Service, tmp_path: 
     assert lines[0].startswith("authorized, lease "), done.stdout
     assert lines[1].startswith("committed, cost "), done.stdout
     assert lines[2] == "cancelled: True", done.stdout
-    assert re.fullmatch(r"event [0-9a-f-]{36}", lines[3]), done.stdout
+    assert re.fullmatch(r"available -?[0-9]+ micro-USD", lines[3]), done.stdout
+    assert all(line.startswith("quota of ") for line in lines[4:-1]), done.stdout
+    assert re.fullmatch(r"event [0-9a-f-]{36}", lines[-1]), done.stdout
 
 
 def test_the_readme_example_without_a_key_says_which_variable_is_missing(tmp_path: Path) -> None:
@@ -77,14 +79,6 @@ def test_the_client_methods_listed_are_those_tollgate_answers() -> None:
 
 def declared_routes() -> dict[str, tuple[str, str]]:
     """The app's routes by operation id, as its OpenAPI document declares them."""
-    from api.app import create_app
-    from core.settings import Settings
+    from api.openapi import ROUTES
 
-    app = create_app(Settings.from_env("/nonexistent-data-folder"))
-    routes = {}
-    for path, item in (app.openapi_schema.paths or {}).items():
-        for method in ("get", "post", "put", "patch", "delete"):
-            operation = getattr(item, method, None)
-            if operation is not None and operation.operation_id:
-                routes[operation.operation_id] = (method.upper(), path.rstrip("/"))
-    return routes
+    return {route.operation_id: (route.method, route.path) for route in ROUTES}
