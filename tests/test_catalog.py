@@ -115,7 +115,7 @@ def test_rules_that_used_to_crash_or_slip_through_are_faults_with_their_paths() 
         # two rate limits with one id would share the limiter's counters
         "realms.acme.rate_limits[1].id": _with(CatalogBuilder().rate_limit(
             "api.search", id="rate-0-api.search", per_seconds=60, limit=5)),
-        "realms.acme.quotas[0].id": text.replace('[[realms.acme.quotas]]\n', '[[realms.acme.quotas]]\nid = 5\n'),
+        "realms.acme.quotas[0].id": text.replace('id = "llm-chat-daily-tokens"', 'id = 5'),
         # two versions of a policy at one instant: which rates an event is ambiguous
         "realms.acme.policies[1].versions[1].effective_at": _with(CatalogBuilder().version(
             "daily-peak-seats", "v2", "2026-01-01T00:00:00Z", {

@@ -21,6 +21,8 @@ from vlunaai import (
 from tests.catalog_builder import CatalogBuilder
 from tests.conftest import Service, make_service
 
+pytestmark = pytest.mark.server
+
 # Prices: tok 150 xusd per 1000 (floor), out 600 per 1000, req 2000 per request.
 CATALOG = (CatalogBuilder("acme")
            .account("acct_pre", "prepaid", credit_limit_xusd=1_000_000, principals=["p1", "p2"])
