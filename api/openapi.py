@@ -12,20 +12,21 @@ To add a route: define the Struct of its `data` (and of its request body, if it 
 `api.schemas`, response Structs with `forbid_unknown_fields=True` and money as decimal strings;
 then append one `Route` to `ROUTES`, for example
 
-    Route("GET", "/mgt/v1/wallet/balance", "get_credit_balance", "The account's balance", "wallet",
-          {200: s.BalanceData}, errors=(*SIGNED_ERRORS, "STORAGE.UNAVAILABLE"),
-          headers=(REALM, ACCOUNT, DIGEST, REQUEST_ID),
-          query=(Query("as_of", "An instant; now by default.", {"type": "string"}),))
+    Route("GET", "/mgt/v1/gate/meters", "gate_list_meter_limits", "Each meter's quotas, price and coverage",
+          "gate", {200: list[s.MeterLimits]}, errors=READ_ERRORS, headers=READ_HEADERS,
+          query=(Query("meter_code", "Only this meter."),))
 
-with the operation id of the official client where it has the route, every code the handler
-can answer (a new code goes into `ERROR_CODES` and the error table of docs/api.md), and the
-route's section in docs/api.md. `tests/test_openapi.py` then fails until the app serves the
+(`data` is a Struct, or `list[Struct]` for an array; `meta=` names the Struct of an envelope's
+top-level `meta`, as the usage report's) with the operation id of the official client where it
+has the route, every code the handler can answer (a new code goes into `ERROR_CODES` and the
+error table of docs/api.md), and the route's section in docs/api.md. `tests/test_openapi.py` then fails until the app serves the
 route, and checks its authentication errors against the document; add its real success and
 refusals to that file as for the routes there.
 """
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +41,7 @@ __all__ = ["ERROR_CODES", "FIELD_CODES", "ROUTES", "TAGS", "Header", "Query", "R
 # ---- error codes: the one list (docs/api.md repeats it for people; a test keeps them equal) --
 ERROR_CODES: dict[str, tuple[int, str]] = {
     "VALIDATION.MALFORMED_JSON": (400, "The body is not JSON, not UTF-8, nested too deeply, or not an object."),
-    "VALIDATION.MISSING_CONTEXT": (400, "A context header the route needs is missing: `X-Billing-Account-Id` for events, `X-Principal-Id` for gate calls."),
+    "VALIDATION.MISSING_CONTEXT": (400, "A context header the route needs is missing: `X-Billing-Account-Id` for events, `X-Principal-Id` for gate calls, either for the balance."),
     "AUTH.MISSING_REALM": (400, "The `X-Realm-Id` header is missing."),
     "REQUEST.INCOMPLETE": (400, "The client went away before its whole body arrived."),
     "REQUEST.INVALID": (400, "The request is not valid HTTP/1.1 (answered by the HTTP parser, before any route)."),
@@ -73,17 +74,19 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "STORAGE.UNAVAILABLE": (503, "The writer could not make the request durable, or is down; nothing was stored: retry."),
 }
 
-# Codes of `errors[].code` (and of a batch item's `error.code`): the fault of one field.
+# Codes of `errors[].code` (and of an event batch item's `error.code`): the fault of one field.
 FIELD_CODES: dict[str, str] = {
     "VALIDATION.REQUIRED": "The field is required.",
     "VALIDATION.INVALID_TYPE": "The field has the wrong JSON type (also: a batch item that is not an object).",
     "VALIDATION.INVALID_VALUE": "The value is not allowed (a code's pattern, a label key, an amount beyond 2^63-1 micro-USD once priced).",
     "VALIDATION.INVALID_QUANTITY": "A quantity is not a string holding a non-negative integer within signed 64-bit.",
-    "VALIDATION.INVALID_TIMESTAMP": "`occurred_at` is not RFC 3339 with an offset.",
+    "VALIDATION.INVALID_TIMESTAMP": "`occurred_at` is not RFC 3339 with an offset (an ingest's: or is further ahead than the realm allows); a report's `time.from` or `time.to` is not RFC 3339 ending in `Z`.",
     "VALIDATION.IN_FUTURE": "`occurred_at` is further ahead than the realm allows.",
     "VALIDATION.TOO_LONG": "A text is longer than allowed.",
     "VALIDATION.TOO_MANY": "More labels than allowed.",
     "VALIDATION.DUPLICATE_KEY": "Two label keys are equal once lower-cased.",
+    "VALIDATION.UNSUPPORTED_DIMENSION": "(reports) A `group_by` dimension that tollgate does not record; the message names each.",
+    "VALIDATION.UNSUPPORTED_METRIC": "(reports) A metric that tollgate does not record; the message names each.",
     "FEATURE.METER_NOT_ALLOWED": "The meter is not a meter of the feature.",
     "STORAGE.UNAVAILABLE": "(batch items) Not stored; retry this item.",
 }
@@ -134,15 +137,39 @@ GATE_ERRORS = (*SIGNED_ERRORS, "AUTH.BILLING_ACCOUNT_MISMATCH", "IDEMPOTENCY.IN_
                "IDEMPOTENCY.CONFLICT", "STORAGE.UNAVAILABLE")
 GATE_HEADERS = (REALM, PRINCIPAL, ACCOUNT_OPTIONAL, USER, IDEMPOTENCY_KEY, DIGEST, REQUEST_ID)
 EVENT_HEADERS = (REALM, ACCOUNT, DIGEST, REQUEST_ID)
+# A gate call that records no end user (commit batches and ingests).
+BOOKING_HEADERS = (REALM, PRINCIPAL, ACCOUNT_OPTIONAL, IDEMPOTENCY_KEY, DIGEST, REQUEST_ID)
+# A read of the gate book: no body, so the body's codes are not answered.
+READ_ERRORS = (*(c for c in SIGNED_ERRORS if c not in ("VALIDATION.MALFORMED_JSON", "VALIDATION.INVALID_INPUT")),
+               "AUTH.BILLING_ACCOUNT_MISMATCH", "STORAGE.UNAVAILABLE")
+READ_HEADERS = (REALM, PRINCIPAL, ACCOUNT_OPTIONAL, DIGEST, REQUEST_ID)
+BALANCE_HEADERS = (
+    REALM,
+    Header("X-Billing-Account-Id", "The account whose balance is read; required unless X-Principal-Id is sent.",
+           example="acct_prepaid"),
+    Header("X-Principal-Id", "Names its account instead; with X-Billing-Account-Id, they must agree "
+                             "(else 403 AUTH.BILLING_ACCOUNT_MISMATCH)."),
+    Header("X-User-Id", "Answered as billing_user_id (else the principal)."),
+    DIGEST, REQUEST_ID)
+REPORT_HEADERS = (
+    REALM,
+    Header("X-Billing-Account-Id", "When given, the report covers only this account (a dim filter naming "
+                                   "another is 403 AUTH.BILLING_ACCOUNT_MISMATCH)."),
+    Header("X-Principal-Id", "When given, the report covers only its account; with X-Billing-Account-Id, "
+                             "they must agree."),
+    DIGEST, REQUEST_ID)
+REPORT_ERRORS = (*(c for c in SIGNED_ERRORS if c != "VALIDATION.MISSING_CONTEXT"), "AUTH.BILLING_ACCOUNT_MISMATCH")
 
 
 @dataclass(frozen=True)
 class Route:
     """One operation of the document.
 
-    `responses` maps each success status to the Struct of the envelope's `data` (None for a
-    response without a body); `errors` lists the error codes the route can answer, which
-    `ERROR_CODES` groups by status. `idempotent`: answers may be replays (Idempotent-Replayed).
+    `responses` maps each success status to the type of the envelope's `data`: a Struct, or
+    `list[Struct]` for an array (None for a response without a body); `meta`, the Struct of
+    the success envelope's top-level `meta` when it has one. `errors` lists the error codes the
+    route can answer, which `ERROR_CODES` groups by status. `idempotent`: answers may be
+    replays (Idempotent-Replayed).
     """
 
     method: str
@@ -159,6 +186,7 @@ class Route:
     signed: bool = True
     idempotent: bool = False
     description: str = ""
+    meta: type | None = None
 
 
 ROUTES: tuple[Route, ...] = (
@@ -195,7 +223,8 @@ ROUTES: tuple[Route, ...] = (
                   "LIMIT.RATE_EXCEEDED"),
           headers=GATE_HEADERS, idempotent=True,
           description="Checks, in order, quotas, budgets and (prepaid accounts) funding, then holds "
-                      "the priced estimate in a lease until it is committed, cancelled or expires."),
+                      "the priced estimate in a lease until it is committed, cancelled or expires. "
+                      "Without `estimated_quantity_minor` the hold is one block's price."),
     Route("POST", "/mgt/v1/gate/commits", "gate_commit", "Commit: book what a lease's work used",
           "gate", {200: s.CommitData}, request=s.CommitRequest,
           request_example=s.example(s.CommitRequest, lease_token="tgl_...", feature_code="llm.chat",
@@ -211,7 +240,49 @@ ROUTES: tuple[Route, ...] = (
           request_example=s.example(s.CancelRequest, lease_token="tgl_...", reason="the work failed"),
           errors=(*GATE_ERRORS, "LEASE.NOT_FOUND"), headers=GATE_HEADERS, idempotent=True,
           description="`cancelled: false` with the lease's state when it had already ended."),
-    # ---- routes still to be described: one Route each, here (docs/api.md, "Routes to come").
+    Route("POST", "/mgt/v1/gate/commits/batch", "gate_commit_batch", "Commit up to 100 leases in one call",
+          "gate", {200: s.CommitBatchData}, request=s.CommitBatchRequest,
+          request_example=s.example(s.CommitBatchRequest, items=[{
+              "lease_token": "tgl_...", "feature_code": "llm.chat", "quantity_minor": "4200",
+              "idempotency_key": "job-17"}]),
+          errors=GATE_ERRORS, headers=BOOKING_HEADERS, idempotent=True,
+          description="Each item is checked, then decided as a commit of its own, in order, under its "
+                      "own idempotency scope (principal, lease, `idempotency_key`); a refused item does "
+                      "not stop the others. 200 with one result per item once the batch is read."),
+    Route("POST", "/mgt/v1/gate/ingest", "gate_ingest", "Ingest: book usage that ran without a lease",
+          "gate", {200: s.IngestData}, request=s.IngestRequest,
+          request_example=s.example(s.IngestRequest, feature_code="llm.chat", quantity_minor="4200",
+                                    occurred_at="2026-11-01T12:00:00Z"),
+          errors=(*GATE_ERRORS, "FEATURE.METER_NOT_ALLOWED"), headers=BOOKING_HEADERS, idempotent=True,
+          description="Priced at the prices in force at `occurred_at` (now when absent) and booked like "
+                      "a commit (a commit's answer, without `lease_id`). No limit is checked: the work "
+                      "has already run, and a prepaid balance may go negative."),
+    Route("GET", "/mgt/v1/gate/limits", "gate_list_feature_limits", "Each feature's quotas and rate limits, with use",
+          "gate", {200: list[s.FeatureLimits]}, errors=READ_ERRORS, headers=READ_HEADERS,
+          query=(Query("feature_code", "Only this feature."),
+                 Query("feature_family_code", "Only the features of this family.")),
+          description="For the principal in context: every active feature, its quotas (used, held, "
+                      "remaining in the window open now) and rate limits (requests counted in the "
+                      "window open now)."),
+    Route("GET", "/mgt/v1/gate/meters", "gate_list_meter_limits", "Each meter's quotas, price and coverage",
+          "gate", {200: list[s.MeterLimits]}, errors=READ_ERRORS, headers=READ_HEADERS,
+          query=(Query("meter_code", "Only this meter."),),
+          description="For the principal in context: every meter of the realm, the features that use "
+                      "it, the quotas counted in it, the price in force and, for a prepaid account, "
+                      "what its available funds buy (advisory)."),
+    Route("GET", "/mgt/v1/wallet/balance", "get_credit_balance", "The account's balance, holds and grants",
+          "wallet", {200: s.BalanceData}, errors=READ_ERRORS, headers=BALANCE_HEADERS,
+          description="The account of X-Billing-Account-Id or of X-Principal-Id, read from the gate "
+                      "book in queue order: a read sees every gate call answered before it was sent."),
+    Route("POST", "/mgt/v1/reports/usage", "gate_query_usage_reports", "Usage over a time range",
+          "reports", {200: s.UsageReportData}, meta=s.ReportMeta, request=s.UsageReportRequest,
+          request_example=s.example(s.UsageReportRequest, time={
+              "from": "2026-11-01T00:00:00Z", "to": "2026-12-01T00:00:00Z", "granularity": "day"},
+              group_by=["feature_code"], metrics=["quantity_minor", "amount_xusd", "line_count"]),
+          errors=REPORT_ERRORS, headers=REPORT_HEADERS,
+          description="Sums of the current ratings of events and of the gate's commit lines, from the "
+                      "lake (a few seconds behind the service), per bucket and dimension. The "
+                      "envelope's `meta` pages the rows."),
 )
 
 # ---- building the document ------------------------------------------------------------------
@@ -253,23 +324,28 @@ def _structs() -> list[Any]:
     for route in ROUTES:
         if route.request is not None:
             found.append(route.request)
+        if route.meta is not None:
+            found.append(route.meta)
         found.extend(t for t in route.responses.values() if t is not None)
     return list(dict.fromkeys(found))
 
 
-def _envelope(data_name: str, hints: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "title": f"{data_name} envelope",
-        "type": "object",
-        "properties": {
-            "ok": {"const": True},
-            "code": {"const": "OK"},
-            "data": {"$ref": _REF.format(name=data_name)},
-            "hints": {**hints, "description": "Present only when there are hints."},
-        },
-        "required": ["ok", "code", "data"],
-        "additionalProperties": False,
-    }
+def _name(data: Any) -> str:
+    """The name of a `data` type: the Struct's, or `<Struct>List` for `list[Struct]`."""
+    if typing.get_origin(data) is list:
+        return f"{typing.get_args(data)[0].__name__}List"
+    return str(data.__name__)
+
+
+def _envelope(data: Any, schemas: Mapping[Any, dict[str, Any]], meta: type | None) -> dict[str, Any]:
+    properties: dict[str, Any] = {"ok": {"const": True}, "code": {"const": "OK"}, "data": schemas[data]}
+    required = ["ok", "code", "data"]
+    if meta is not None:
+        properties["meta"] = schemas[meta]
+        required.append("meta")
+    properties["hints"] = {**schemas[list[s.Hint]], "description": "Present only when there are hints."}
+    return {"title": f"{_name(data)} envelope", "type": "object", "properties": properties,
+            "required": required, "additionalProperties": False}
 
 
 def _headers(route: Route, status: int) -> dict[str, Any]:
@@ -322,7 +398,7 @@ def _operation(route: Route) -> dict[str, Any]:
         response: dict[str, Any] = {"description": _STATUS_TEXT[status], "headers": _headers(route, status)}
         if data is not None:
             response["content"] = {"application/json": {
-                "schema": {"$ref": _REF.format(name=f"{data.__name__}Envelope")}}}
+                "schema": {"$ref": _REF.format(name=f"{_name(data)}Envelope")}}}
         responses[str(status)] = response
     by_status: dict[int, list[str]] = {}
     for code in dict.fromkeys(route.errors):
@@ -337,12 +413,13 @@ def _operation(route: Route) -> dict[str, Any]:
 
 def document() -> dict[str, Any]:
     """The OpenAPI 3.1 document of `ROUTES`."""
-    (*_, hints), components = msgspec.json.schema_components([*_structs(), list[s.Hint]],
-                                                             ref_template=_REF)
+    types = [*_structs(), list[s.Hint]]
+    found, components = msgspec.json.schema_components(types, ref_template=_REF)
+    schemas = dict(zip(types, found, strict=True))
     for route in ROUTES:
         for data in route.responses.values():
             if data is not None:
-                components[f"{data.__name__}Envelope"] = _envelope(data.__name__, hints)
+                components[f"{_name(data)}Envelope"] = _envelope(data, schemas, route.meta)
     paths: dict[str, dict[str, Any]] = {}
     for route in ROUTES:
         paths.setdefault(route.path, {})[route.method.lower()] = _operation(route)

@@ -13,13 +13,18 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import msgspec
-from msgspec import Meta, Struct
+from msgspec import UNSET, Meta, Struct, UnsetType
 
 __all__ = [
-    "AuthorizeData", "AuthorizeRequest", "BatchData", "BatchItemAccepted", "BatchItemDuplicate",
-    "BatchItemFailed", "BatchItemInvalid", "CancelData", "CancelRequest", "CommitData", "CommitLine",
-    "CommitRequest", "ErrorEnvelope", "EventBatchRequest", "EventData", "EventRequest", "FieldFault",
-    "HealthData", "Hint", "MeterEntry",
+    "Amounts", "AuthorizeData", "AuthorizeRequest", "BalanceData", "BatchData", "BatchItemAccepted",
+    "BatchItemDuplicate", "BatchItemFailed", "BatchItemInvalid", "CancelData", "CancelRequest",
+    "CommitBatchData", "CommitBatchItem", "CommitBatchRequest", "CommitData", "CommitItemCommitted",
+    "CommitItemDuplicate", "CommitItemError", "CommitItemFailed", "CommitItemInvalid", "CommitLine",
+    "CommitRequest", "ComparedTime", "Conversion", "DimensionFilter", "ErrorEnvelope", "EventBatchRequest",
+    "EventData", "EventRequest", "FeatureLimits", "FieldFault", "GrantView", "HealthData", "Hint",
+    "IngestData", "IngestRequest", "MeterCoverage", "MeterEntry", "MeterLimits", "MeterPricing",
+    "MetricFilter", "QuotaView", "RateView", "ReportMeta", "ReportTime", "UsageReportData",
+    "UsageReportRequest", "UsageRow",
 ]
 
 # ---- shared field types ------------------------------------------------------------------
@@ -149,7 +154,9 @@ class AuthorizeRequest(Struct):
     """Ask to run `estimated_quantity_minor` of a feature: holds its price and quota in a lease."""
 
     feature_code: Code
-    estimated_quantity_minor: Quantity
+    estimated_quantity_minor: Annotated[Quantity | None, Meta(
+        description="The quantity to hold; absent, the hold is the price of one block of the "
+                    "feature's primary meter (held_quantity_minor \"0\").")] = None
     feature_family_code: Code | None = None
     labels: GateLabels | None = None
 
@@ -179,7 +186,7 @@ class CommitRequest(Struct):
     lease_token: LeaseToken
     feature_code: Code
     quantity_minor: Quantity
-    meters: Annotated[list[MeterEntry], Meta(max_length=64)] | None = None
+    meters: Annotated[list[MeterEntry], Meta(min_length=1, max_length=64)] | None = None
     labels: GateLabels | None = None
 
 
@@ -193,11 +200,16 @@ class CommitLine(Struct, forbid_unknown_fields=True):
     pricing_fingerprint: Annotated[str | None, Meta(description="The price row's id and terms, hashed; null when unpriced.")]
 
 
-class CommitData(Struct, forbid_unknown_fields=True):
+class IngestData(Struct, forbid_unknown_fields=True):
+    """What a commit booked; an ingest answers this (it has no lease)."""
+
     commit_id: str
     amount_xusd: Xusd
     lines: list[CommitLine]
     balance_xusd: SignedXusd
+
+
+class CommitData(IngestData, forbid_unknown_fields=True):
     lease_id: str
 
 
@@ -213,6 +225,218 @@ class CancelData(Struct, forbid_unknown_fields=True):
     state: Literal["cancelled", "committed", "expired"]
     released_cap: Annotated[Quantity, Meta(description="The quantity whose hold this call released.")]
     lease_id: str
+
+
+class CommitBatchItem(Struct):
+    """One commit of a batch: a commit's body and the item's own idempotency key."""
+
+    lease_token: LeaseToken
+    feature_code: Code
+    quantity_minor: Quantity
+    idempotency_key: Annotated[str, Meta(
+        min_length=1, max_length=255,
+        description="The item's idempotency scope is (principal, lease, idempotency_key): the "
+                    "same item again answers `duplicate` with its first commit.")]
+    meters: Annotated[list[MeterEntry], Meta(min_length=1, max_length=64)] | None = None
+    labels: GateLabels | None = None
+
+
+class CommitBatchRequest(Struct):
+    """1 to 100 commits, each decided as a commit of its own, in order."""
+
+    items: Annotated[list[CommitBatchItem], Meta(min_length=1, max_length=100)]
+    merge_advice: Annotated[Literal["none", "by_pricing_fingerprint"] | None, Meta(
+        description="Accepted, without effect: each line is priced with its carried remainder, "
+                    "so merging would not change a total.")] = None
+
+
+class CommitItemError(Struct, forbid_unknown_fields=True):
+    """Why an item was not committed: `type` as the official client names it, and the code."""
+
+    type: Literal["invalid_request", "invalid_lease", "feature_mismatch", "meter_not_allowed_for_feature",
+                  "conflict", "resource.not_found"]
+    code: Literal["VALIDATION.INVALID_INPUT", "VALIDATION.INVALID_TYPE", "LEASE.NOT_FOUND",
+                  "LEASE.FEATURE_MISMATCH", "FEATURE.METER_NOT_ALLOWED", "RESOURCE.NOT_FOUND",
+                  "LEASE.ALREADY_COMMITTED", "LEASE.CANCELLED", "IDEMPOTENCY.CONFLICT"]
+    details: Annotated[str, Meta(description="The message of the refusal.")]
+    errors: Annotated[list[FieldFault], Meta(
+        description="Present when there are field faults; fields are named from the batch "
+                    "(`items[2].quantity_minor`).")] | UnsetType = UNSET
+
+
+class _CommitItem(Struct, tag_field="status", forbid_unknown_fields=True):
+    pass
+
+
+class CommitItemCommitted(_CommitItem, tag="committed"):
+    index: int
+    commit: CommitData
+
+
+class CommitItemDuplicate(_CommitItem, tag="duplicate"):
+    """The same item (key and body) was committed before: its first commit."""
+
+    index: int
+    commit: CommitData
+
+
+class CommitItemInvalid(_CommitItem, tag="invalid"):
+    """A malformed item, an unknown lease, a feature or meter mismatch (a commit's 422)."""
+
+    index: int
+    error: CommitItemError
+
+
+class CommitItemFailed(_CommitItem, tag="failed"):
+    """A cancelled lease, a lease committed with another body, the item's key with another
+    body (a commit's 409)."""
+
+    index: int
+    error: CommitItemError
+
+
+class CommitBatchData(Struct, forbid_unknown_fields=True):
+    items: Annotated[list[CommitItemCommitted | CommitItemDuplicate | CommitItemInvalid | CommitItemFailed],
+                     Meta(description="One result per item, in input order.")]
+    committed_count: Annotated[int, Meta(description="committed and duplicate items together.")]
+    failed_count: Annotated[int, Meta(description="invalid and failed items together.")]
+
+
+class IngestRequest(Struct):
+    """Usage that ran without a lease, booked like a commit with no limit checked. Give
+    `quantity_minor`, `meters`, or both; without `quantity_minor` the feature's quantity is the
+    sum of its primary meter's lines."""
+
+    feature_code: Code
+    quantity_minor: Quantity | None = None
+    meters: Annotated[list[MeterEntry], Meta(min_length=1, max_length=64)] | None = None
+    occurred_at: Annotated[str, Meta(
+        extra_json_schema={"format": "date-time"}, examples=["2026-11-01T12:00:00Z"],
+        description="RFC 3339; prices are those in force then. Now when absent; at most the "
+                    "realm's max_future_skew_seconds ahead.")] | None = None
+    labels: GateLabels | None = None
+    budget_id: Annotated[str, Meta(max_length=128, description="Kept with the usage; not enforced.")] | None = None
+    metadata: Annotated[dict[str, Any], Meta(description="Kept with the usage.")] | None = None
+
+
+class QuotaView(Struct, forbid_unknown_fields=True):
+    """A quota in the window open now."""
+
+    quota_id: str
+    subject_scope: Annotated[Literal["user", "account"], Meta(description="The official client's name of scope (principal: user).")]
+    scope: Literal["principal", "account"]
+    window: Literal["day", "month"]
+    window_start: Instant
+    window_end: Instant
+    limit_minor: Quantity
+    used_minor: Annotated[Quantity, Meta(description="Committed in the window.")]
+    held_minor: Annotated[Quantity, Meta(description="Held by active leases.")]
+    remaining_minor: Annotated[Quantity, Meta(description="limit - used - held, at least 0.")]
+
+
+class RateView(Struct, forbid_unknown_fields=True):
+    """A rate limit in the fixed window open now (counted by the HTTP process)."""
+
+    rate_limit_id: str
+    subject_scope: Literal["user", "account"]
+    scope: Literal["principal", "account"]
+    window_start: Instant
+    window_end: Instant
+    limit_minor: Quantity
+    used_minor: Annotated[Quantity, Meta(description="Authorizes counted in the window.")]
+    remaining_minor: Quantity
+
+
+class FeatureLimits(Struct, forbid_unknown_fields=True):
+    """An active feature's limits for the principal in context."""
+
+    feature_code: str
+    feature_family_code: str | None
+    unit: Annotated[str | None, Meta(description="The primary meter's unit.")]
+    primary_meter: str
+    quotas: Annotated[list[QuotaView], Meta(description="The quotas that apply to the principal's account.")]
+    rates: list[RateView]
+    meters: Annotated[list[str], Meta(description="The meters a commit of the feature may name.")]
+
+
+class MeterPricing(Struct, forbid_unknown_fields=True):
+    """The price row in force now."""
+
+    unit_price_xusd: Xusd
+    unit_quantity_minor: Quantity
+    rounding: Literal["floor", "nearest", "ceil"]
+    effective_at: Instant
+    fingerprint: Annotated[str, Meta(description="As a commit line's pricing_fingerprint.")]
+    unit: str
+    price_id: str
+
+
+class MeterCoverage(Struct, forbid_unknown_fields=True):
+    """What a prepaid account's available funds buy of the meter: advisory (carried
+    remainders and other calls change what a commit costs)."""
+
+    basis: Literal["xusd"]
+    balance_xusd: Annotated[SignedXusd, Meta(description="Available: grants in force - committed + credit limit - held.")]
+    max_quantity_minor_estimated: Annotated[Quantity, Meta(
+        description="floor(available / unit_price_xusd) x unit_quantity_minor; 0 when nothing is available.")]
+    advisory: Literal[True]
+    as_of: Instant
+
+
+class MeterLimits(Struct, forbid_unknown_fields=True):
+    """A meter of the realm, for the principal in context."""
+
+    meter_code: str
+    unit: str
+    features: Annotated[list[str], Meta(description="The active features that use the meter.")]
+    feature_family_codes: list[str]
+    quotas: Annotated[list[QuotaView], Meta(description="The quotas of the features whose primary meter it is.")]
+    rates: Annotated[list[RateView], Meta(
+        max_length=0, description="Always empty: rate limits count a feature's authorizes (GET /gate/limits).")]
+    pricing: Annotated[MeterPricing, Meta(description="Absent when the meter has no price in force.")] | UnsetType = UNSET
+    coverage: Annotated[MeterCoverage, Meta(description="Present for a prepaid account when the meter is priced.")] | UnsetType = UNSET
+
+
+# ---- wallet ---------------------------------------------------------------------------------
+class Amounts(Struct, forbid_unknown_fields=True):
+    xusd: SignedXusd
+    usd: Annotated[str, Meta(pattern=r"^-?[0-9]+$", description="USD cents, truncated toward zero.",
+                             examples=["599"])]
+
+
+class Conversion(Struct, forbid_unknown_fields=True):
+    as_of: Annotated[Instant, Meta(description="The gate book's time of the read.")]
+    usd_per_xusd: Literal["0.000001"]
+
+
+class GrantView(Struct, forbid_unknown_fields=True):
+    """A grant in force; grants are consumed oldest first, so a deficit shows on the newest."""
+
+    grant_id: str
+    status: Literal["active"]
+    on_ledger: Literal[True]
+    window_start: Annotated[Instant, Meta(description="The grant's effective_at.")]
+    issued: Amounts
+    remaining: Amounts
+    consumed_xusd: Xusd
+
+
+class BalanceData(Struct, forbid_unknown_fields=True):
+    """The money of the account in context, in the official client's shape and spelled out."""
+
+    billing_account_id: str
+    billing_user_id: Annotated[str, Meta(description="X-User-Id, else X-Principal-Id, else \"\".")]
+    balances: Annotated[Amounts, Meta(description="Available: what an authorize may still hold.")]
+    outstanding_balances: Annotated[Amounts, Meta(description="The balance: grants in force - committed.")]
+    conversion: Conversion
+    grants: list[GrantView]
+    funding: Literal["prepaid", "postpaid"]
+    granted_xusd: Annotated[Xusd, Meta(description="The grants in force (effective_at <= now).")]
+    committed_xusd: Annotated[Xusd, Meta(description="What commits and ingested usage booked, ever.")]
+    balance_xusd: Annotated[SignedXusd, Meta(description="granted - committed.")]
+    held_xusd: Annotated[Xusd, Meta(description="What the account's active leases hold.")]
+    credit_limit_xusd: Xusd
+    available_xusd: Annotated[SignedXusd, Meta(description="balance + credit limit - held.")]
 
 
 # ---- events ---------------------------------------------------------------------------------
@@ -300,6 +524,108 @@ class BatchData(Struct, forbid_unknown_fields=True):
     duplicate_count: int
     invalid_count: int
     failed_count: Annotated[int, Meta(description="invalid and failed items together.")]
+
+
+# ---- reports --------------------------------------------------------------------------------
+Dimension = Literal["bucket_start", "billing_account_id", "feature_code", "feature_family_code",
+                    "meter_code", "pricing_fingerprint"]
+FilterDimension = Literal["billing_account_id", "feature_code", "feature_family_code", "meter_code",
+                          "pricing_fingerprint"]
+Metric = Literal["quantity_minor", "amount_xusd", "line_count", "commit_count",
+                 "distinct_billing_account_count"]
+UtcTime = Annotated[str, Meta(
+    extra_json_schema={"format": "date-time"}, pattern=r"Z$", examples=["2026-11-01T00:00:00Z"],
+    description="RFC 3339 in UTC, ending with `Z`.")]
+SignedInteger = Annotated[str, Meta(pattern=r"^-?[0-9]+$", description="A sum, as a decimal integer string.",
+                                    examples=["2250"])]
+
+
+class ReportTime(Struct):
+    from_: Annotated[UtcTime, Meta(description="Inclusive.")] = msgspec.field(name="from")
+    to: Annotated[UtcTime, Meta(description="Exclusive; after `from`, at most 400 days later (day) or 3660 (month).")]
+    granularity: Literal["day", "month"]
+
+
+class DimensionFilter(Struct):
+    field: FilterDimension
+    op: Literal["eq", "in"]
+    value: Annotated[str | Annotated[list[str], Meta(min_length=1)], Meta(
+        description="A string for eq, a non-empty array of strings for in.")]
+
+
+class MetricFilter(Struct):
+    field: Annotated[Metric, Meta(description="One of the metrics asked.")]
+    op: Literal["gte", "lte", "gt", "lt"]
+    value: Annotated[str, Meta(pattern=r"^-?[0-9]+$", description="An integer, as a string.")]
+
+
+class UsageReportRequest(Struct):
+    """The official client's GateOpsUsageReportQuery, as far as tollgate records it: the other
+    dimensions and metrics of that query are refused (422, VALIDATION.UNSUPPORTED_DIMENSION /
+    VALIDATION.UNSUPPORTED_METRIC)."""
+
+    time: ReportTime
+    group_by: Annotated[list[Dimension], Meta(min_length=1, description="bucket_start is added when missing.")]
+    metrics: Annotated[list[Metric], Meta(description="quantity_minor and amount_xusd when absent or empty.")] | None = None
+    aggregate: Annotated[Literal["series", "total", "group_total"], Meta(
+        description="series (the default); total: one row, group_by [bucket_start] only; group_total: one "
+                    "row per group, bucket_start = time.from.")] | None = None
+    dim_filters: list[DimensionFilter] | None = None
+    metric_filters: Annotated[list[MetricFilter], Meta(description="On the result rows.")] | None = None
+    top_k: Annotated[int, Meta(ge=1, le=100, description=(
+        "The top k values of the one feature_code or feature_family_code in group_by, ranked over the "
+        "whole range by order_by_metric."))] | None = None
+    order_by_metric: Annotated[Metric, Meta(description="One of the metrics asked; the first by default.")] | None = None
+    order: Annotated[Literal["asc", "desc"], Meta(description="desc by default.")] | None = None
+    compare: Annotated[Literal["previous"], Meta(
+        description="The window of the same length before; needs aggregate total or group_by [bucket_start] only.")] | None = None
+    limit: Annotated[int, Meta(ge=1, le=5000, description="Rows per page.")] = 1000
+    cursor: Annotated[str, Meta(description="meta.next_cursor of the page before.")] | None = None
+
+
+class UsageRow(Struct, forbid_unknown_fields=True):
+    """One row: the dimensions of group_by (null when the lines have none, e.g. a feature
+    without family, an unpriced line) and the metrics asked."""
+
+    bucket_start: Instant
+    billing_account_id: str | None | UnsetType = UNSET
+    feature_code: str | None | UnsetType = UNSET
+    feature_family_code: str | None | UnsetType = UNSET
+    meter_code: str | None | UnsetType = UNSET
+    pricing_fingerprint: Annotated[str | None, Meta(description="The price row's id.")] | UnsetType = UNSET
+    quantity_minor: SignedInteger | UnsetType = UNSET
+    amount_xusd: Annotated[SignedInteger, Meta(description="micro-USD.")] | UnsetType = UNSET
+    line_count: int | UnsetType = UNSET
+    commit_count: Annotated[int, Meta(description="Current sources: events, aggregate days, commits.")] | UnsetType = UNSET
+    distinct_billing_account_count: int | UnsetType = UNSET
+
+
+class ComparedTime(Struct, forbid_unknown_fields=True):
+    from_: Instant = msgspec.field(name="from")
+    to: Instant
+    granularity: Literal["day", "month"]
+
+
+class UsageReportData(Struct, forbid_unknown_fields=True):
+    granularity: Literal["day", "month"]
+    group_by: Annotated[list[Dimension], Meta(description="As asked, bucket_start first when it was added.")]
+    metrics: list[Metric]
+    rows: Annotated[list[UsageRow], Meta(description="This page's rows.")]
+    totals: Annotated[dict[str, SignedInteger], Meta(
+        description="Each metric (but distinct_billing_account_count) summed over every row of every page.")]
+    compare_time: Annotated[ComparedTime, Meta(description="With compare: the window before.")] | UnsetType = UNSET
+    compare_rows: list[UsageRow] | UnsetType = UNSET
+    compare_totals: dict[str, SignedInteger] | UnsetType = UNSET
+    delta: Annotated[dict[str, SignedInteger], Meta(description="totals - compare_totals.")] | UnsetType = UNSET
+    delta_pct: Annotated[dict[str, float | None], Meta(
+        description="delta / compare_totals x 100, to 2 decimals; null when compare_totals is 0. A ratio "
+                    "for display, never money.")] | UnsetType = UNSET
+
+
+class ReportMeta(Struct, forbid_unknown_fields=True):
+    next_cursor: Annotated[str | None, Meta(description="The cursor of the next page; null on the last.")]
+    has_more: bool
+    limit: int
 
 
 def example(struct: type[Struct], **fields: Any) -> dict[str, Any]:

@@ -10,7 +10,10 @@ import re
 import shutil
 import subprocess
 import time
+import typing
 import uuid
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,8 @@ from openapi_spec_validator import validate as validate_spec
 
 from api.auth import sign_headers
 from api.openapi import ERROR_CODES, FIELD_CODES, ROUTES, Route
-from tests.conftest import Key, Service
+from tests.catalog_builder import CatalogBuilder
+from tests.conftest import Key, Service, make_service
 
 ROOT = Path(__file__).parent.parent
 API_DOC = ROOT / "docs" / "api.md"
@@ -259,6 +263,209 @@ def test_gate_answers_fit(service: Service, doc: dict[str, Any]) -> None:
     check(doc, "POST", authorize, answer, 429, "LIMIT.RATE_EXCEEDED")
     for token in leases:
         check(doc, "POST", cancel, service.post(cancel, {"lease_token": token}, **who), 200)
+
+
+def test_balance_answers_fit(service: Service, doc: dict[str, Any]) -> None:
+    path = BASE + "/wallet/balance"
+    data = check(doc, "GET", path, service.request("GET", path, account="acct_prepaid"), 200)["data"]
+    assert data["funding"] == "prepaid" and [g["grant_id"] for g in data["grants"]] == ["welcome-2026-11"]
+    by_principal = check(doc, "GET", path, service.request("GET", path, principal="team-c", user_id="u-1"),
+                         200)["data"]
+    assert (by_principal["billing_account_id"], by_principal["billing_user_id"]) == ("acct_postpaid", "u-1")
+    check(doc, "GET", path, service.request("GET", path), 400, "VALIDATION.MISSING_CONTEXT")
+    check(doc, "GET", path, service.request("GET", path, account="acct_nobody"), 422, "RESOURCE.NOT_FOUND")
+    check(doc, "GET", path, service.request("GET", path, principal="nobody-p"), 422, "RESOURCE.NOT_FOUND")
+    check(doc, "GET", path, service.request("GET", path, account="acct_events", principal="team-c"), 403,
+          "AUTH.BILLING_ACCOUNT_MISMATCH")
+
+
+def test_limit_reads_fit(service: Service, doc: dict[str, Any]) -> None:
+    limits, meters = BASE + "/gate/limits", BASE + "/gate/meters"
+    features = check(doc, "GET", limits, service.request("GET", limits, principal="team-c"), 200)["data"]
+    by_code = {f["feature_code"]: f for f in features}
+    assert by_code["gate.quota"]["quotas"] and by_code["gate.rated"]["rates"]
+    only = service.request("GET", limits + "?feature_code=gate.quota", principal="team-c")
+    assert [f["feature_code"] for f in check(doc, "GET", limits, only, 200)["data"]] == ["gate.quota"]
+    # A prepaid account: priced meters carry a coverage; an unpriced one has no pricing.
+    views = {m["meter_code"]: m for m in check(doc, "GET", meters, service.request(
+        "GET", meters, principal="gate-p"), 200)["data"]}
+    assert "coverage" in views["gate.units"] and "pricing" not in views["gate.unpriced"]
+    only = service.request("GET", meters + "?meter_code=gate.units", principal="team-c")
+    [units] = check(doc, "GET", meters, only, 200)["data"]
+    assert "pricing" in units and "coverage" not in units  # a postpaid account
+    for path in (limits, meters):
+        check(doc, "GET", path, service.request("GET", path), 400, "VALIDATION.MISSING_CONTEXT")
+        check(doc, "GET", path, service.request("GET", path, principal="nobody-p"), 422, "RESOURCE.NOT_FOUND")
+        check(doc, "GET", path, service.request("GET", path, principal="team-c", account="acct_events"), 403,
+              "AUTH.BILLING_ACCOUNT_MISMATCH")
+
+
+def test_commit_batch_answers_fit(service: Service, doc: dict[str, Any]) -> None:
+    authorize, cancel, path = BASE + "/gate/authorize", BASE + "/gate/cancel", BASE + "/gate/commits/batch"
+    who = {"principal": "team-c"}
+    tokens = [service.post(authorize, {"feature_code": "gate.unit", "estimated_quantity_minor": "2"},
+                           **who).json()["data"]["lease_token"] for _ in range(4)]
+    check(doc, "POST", cancel, service.post(cancel, {"lease_token": tokens[2]}, **who), 200)
+    run = uuid.uuid4().hex
+    items = documented_body(doc, "POST", path, {"merge_advice": "none", "items": [
+        {"lease_token": tokens[0], "feature_code": "gate.unit", "quantity_minor": "2", "idempotency_key": run},
+        {"lease_token": tokens[1], "feature_code": "gate.unit", "quantity_minor": "1", "idempotency_key": run,
+         "meters": [{"meter_code": "gate.units", "quantity_minor": "1"},
+                    {"meter_code": "gate.unpriced", "quantity_minor": "1"}], "labels": {"job": "docs"}},
+        {"lease_token": tokens[2], "feature_code": "gate.unit", "quantity_minor": "1", "idempotency_key": run},
+        {"lease_token": "tgl_nothing", "feature_code": "gate.unit", "quantity_minor": "1", "idempotency_key": run},
+        {"lease_token": tokens[3], "feature_code": "gate.quota", "quantity_minor": "1", "idempotency_key": "x"},
+        {"lease_token": tokens[1], "feature_code": "gate.unit", "quantity_minor": "9", "idempotency_key": "y"},
+    ]})["items"]
+    sent = [*items, {"lease_token": tokens[0], "feature_code": "gate.unit", "quantity_minor": "-1"}, 7]
+    key = uuid.uuid4().hex
+    answer = check(doc, "POST", path, service.post(path, {"items": sent}, idempotency_key=key, **who), 200)["data"]
+    assert [(r["status"], r.get("error", {}).get("code")) for r in answer["items"]] == [
+        ("committed", None), ("committed", None), ("failed", "LEASE.CANCELLED"), ("invalid", "LEASE.NOT_FOUND"),
+        ("invalid", "LEASE.FEATURE_MISMATCH"), ("failed", "LEASE.ALREADY_COMMITTED"),
+        ("invalid", "VALIDATION.INVALID_INPUT"), ("invalid", "VALIDATION.INVALID_TYPE")]
+    assert (answer["committed_count"], answer["failed_count"]) == (2, 6)
+    assert {e["field"] for e in answer["items"][6]["error"]["errors"]} == {
+        "items[6].quantity_minor", "items[6].idempotency_key"}
+    replay = service.post(path, {"items": sent}, idempotency_key=key, **who)
+    assert replay.headers["idempotent-replayed"] == "true"
+    check(doc, "POST", path, replay, 200)
+    again = check(doc, "POST", path, service.post(path, {"items": items[:1]}, **who), 200)["data"]
+    assert again["items"][0]["status"] == "duplicate"
+    assert again["items"][0]["commit"]["commit_id"] == answer["items"][0]["commit"]["commit_id"]
+    check(doc, "POST", path, service.post(path, {"items": items[:2]}, idempotency_key=key, **who), 409,
+          "IDEMPOTENCY.CONFLICT")
+    check(doc, "POST", path, service.post(path, {"items": []}, **who), 422, "VALIDATION.INVALID_INPUT")
+    check(doc, "POST", path, service.post(path, {"items": items[:1] * 101}, **who), 422, "VALIDATION.INVALID_INPUT")
+    check(doc, "POST", path, service.post(path, {"items": items[:1], "merge_advice": "all"}, **who), 422,
+          "VALIDATION.INVALID_INPUT")
+    check(doc, "POST", path, service.post(path, {"items": items[:1]}), 400, "VALIDATION.MISSING_CONTEXT")
+    check(doc, "POST", path, service.post(path, raw=b"[]", **who), 400, "VALIDATION.MALFORMED_JSON")
+    check(doc, "POST", cancel, service.post(cancel, {"lease_token": tokens[3]}, **who), 200)
+
+
+def test_ingest_answers_fit(service: Service, doc: dict[str, Any]) -> None:
+    path = BASE + "/gate/ingest"
+    who = {"principal": "team-c"}
+    body = documented_body(doc, "POST", path, {
+        "feature_code": "gate.unit", "meters": [{"meter_code": "gate.units", "quantity_minor": "3"},
+                                                {"meter_code": "gate.unpriced", "quantity_minor": "1"}],
+        "occurred_at": "2026-11-02T10:00:00Z", "labels": {"job": "docs"}, "budget_id": "b-1",
+        "metadata": {"run": uuid.uuid4().hex}})
+    key = uuid.uuid4().hex
+    booked = check(doc, "POST", path, service.post(path, body, idempotency_key=key, **who), 200)
+    assert "lease_id" not in booked["data"]
+    assert [h["type"] for h in booked["hints"]] == ["pricing.not_configured"]
+    replay = service.post(path, body, idempotency_key=key, **who)
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert check(doc, "POST", path, replay, 200)["data"]["commit_id"] == booked["data"]["commit_id"]
+    check(doc, "POST", path, service.post(path, documented_body(doc, "POST", path, {
+        "feature_code": "gate.unit", "quantity_minor": "2"}), **who), 200)
+    check(doc, "POST", path, service.post(path, {**body, "metadata": {}}, idempotency_key=key, **who), 409,
+          "IDEMPOTENCY.CONFLICT")
+    future = service.post(path, {"feature_code": "gate.unit", "quantity_minor": "1",
+                                 "occurred_at": "2099-01-01T00:00:00Z"}, **who)
+    assert check(doc, "POST", path, future, 422, "VALIDATION.INVALID_INPUT")["errors"][0]["code"] == (
+        "VALIDATION.INVALID_TIMESTAMP")
+    check(doc, "POST", path, service.post(path, {"feature_code": "gate.unit", "meters": [
+        {"meter_code": "api.calls", "quantity_minor": "1"}]}, **who), 422, "FEATURE.METER_NOT_ALLOWED")
+    check(doc, "POST", path, service.post(path, {"feature_code": "gate.none", "quantity_minor": "1"}, **who),
+          422, "RESOURCE.NOT_FOUND")
+    check(doc, "POST", path, service.post(path, {"feature_code": "gate.unit"}, **who), 422,
+          "VALIDATION.INVALID_INPUT")
+    check(doc, "POST", path, service.post(path, {"feature_code": "gate.unit", "quantity_minor": "1"}), 400,
+          "VALIDATION.MISSING_CONTEXT")
+
+
+def test_the_report_schema_names_what_the_query_supports() -> None:
+    from api import schemas as s
+    from warehouse.usage_query import DIMENSIONS, METRICS
+
+    assert set(typing.get_args(s.Dimension)) == set(DIMENSIONS)
+    assert set(typing.get_args(s.FilterDimension)) == set(DIMENSIONS) - {"bucket_start"}
+    assert set(typing.get_args(s.Metric)) == set(METRICS)
+
+
+REPORT_CATALOG = (CatalogBuilder("acme")
+                  .account("acct_r", "postpaid", principals=["r-p"])
+                  .account("acct_o", "postpaid", principals=["o-p"])
+                  .family("llm")
+                  .meter("tok", "token").meter("free", "token")
+                  .feature("chat", "tok", meters=["tok", "free"], family="llm")
+                  .price("tok", 150, "2026-01-01T00:00:00Z", unit_quantity_minor=1000, rounding="floor"))
+
+
+@pytest.fixture(scope="module")
+def report_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    folder = tmp_path_factory.mktemp("reports")
+    catalog = folder / "catalog.toml"
+    catalog.write_text(REPORT_CATALOG.toml())
+    service = make_service(folder / "data", catalog)
+    service.start()
+    yield service
+    service.stop()
+
+
+def test_usage_report_answers_fit(report_service: Service, doc: dict[str, Any]) -> None:
+    """Against a service of its own: its lake holds only the lines booked here."""
+    service = report_service
+    path = BASE + "/reports/usage"
+    ingest = BASE + "/gate/ingest"
+    for meter in ("tok", "free"):  # lines of two meters, one without a price
+        check(doc, "POST", ingest, service.post(ingest, {"feature_code": "chat", "meters": [
+            {"meter_code": meter, "quantity_minor": "4000"}]}, principal="r-p"), 200)
+    today = datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
+    window = {"from": _z(today - timedelta(days=3)), "to": _z(today + timedelta(days=1)), "granularity": "day"}
+    query = documented_body(doc, "POST", path, {
+        "time": window, "group_by": ["meter_code", "feature_family_code", "pricing_fingerprint"],
+        "metrics": ["quantity_minor", "amount_xusd", "line_count", "commit_count",
+                    "distinct_billing_account_count"]})
+    deadline = time.monotonic() + 30
+    while True:  # the exporter ships the lines to the lake within seconds
+        report = check(doc, "POST", path, service.post(path, query, principal="r-p"), 200)
+        if len(report["data"]["rows"]) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    rows = {r["meter_code"]: r for r in report["data"]["rows"]}
+    assert set(rows) == {"tok", "free"}
+    assert rows["free"]["pricing_fingerprint"] is None and rows["tok"]["line_count"] == 1
+    assert rows["tok"]["amount_xusd"] == "600" and rows["tok"]["feature_family_code"] == "llm"
+    assert report["meta"] == {"next_cursor": None, "has_more": False, "limit": 1000}
+    paged = check(doc, "POST", path, service.post(path, {**query, "limit": 1}, principal="r-p"), 200)
+    assert paged["meta"]["has_more"] is True and len(paged["data"]["rows"]) == 1
+    rest = check(doc, "POST", path, service.post(path, {**query, "limit": 1, "cursor": paged["meta"]["next_cursor"]},
+                                                 principal="r-p"), 200)
+    assert rest["meta"] == {"next_cursor": None, "has_more": False, "limit": 1}
+    compared = check(doc, "POST", path, service.post(path, documented_body(doc, "POST", path, {
+        "time": window, "group_by": ["bucket_start"], "aggregate": "total", "compare": "previous",
+        "metrics": ["amount_xusd", "line_count"]}), account="acct_r"), 200)["data"]
+    assert compared["delta"]["line_count"] == compared["totals"]["line_count"] == "2"
+    assert compared["delta_pct"]["line_count"] is None  # nothing in the window before
+    ranked = documented_body(doc, "POST", path, {
+        "time": window, "group_by": ["feature_code"], "aggregate": "group_total", "top_k": 1,
+        "order_by_metric": "amount_xusd", "order": "asc", "metrics": ["amount_xusd"],
+        "dim_filters": [{"field": "meter_code", "op": "in", "value": ["tok", "free"]}],
+        "metric_filters": [{"field": "amount_xusd", "op": "gte", "value": "0"}]})
+    assert check(doc, "POST", path, service.post(path, ranked, principal="r-p"), 200)["data"]["rows"]
+
+    refused = check(doc, "POST", path, service.post(path, {**query, "group_by": ["billing_user_id"],
+                                                           "metrics": ["cost_xusd"]}), 422, "VALIDATION.INVALID_INPUT")
+    assert {e["code"] for e in refused["errors"]} == {"VALIDATION.UNSUPPORTED_DIMENSION", "VALIDATION.UNSUPPORTED_METRIC"}
+    bad_time = check(doc, "POST", path, service.post(path, {**query, "time": {"from": "2026-11-01", "to": "x"}}),
+                     422, "VALIDATION.INVALID_INPUT")
+    assert {e["code"] for e in bad_time["errors"]} == {"VALIDATION.INVALID_TIMESTAMP", "VALIDATION.INVALID_VALUE"}
+    missing = check(doc, "POST", path, service.post(path, {"group_by": ["bucket_start"]}), 422, "VALIDATION.INVALID_INPUT")
+    assert missing["errors"][0]["code"] == "VALIDATION.REQUIRED"
+    other = {**query, "dim_filters": [{"field": "billing_account_id", "op": "eq", "value": "acct_o"}]}
+    check(doc, "POST", path, service.post(path, other, principal="r-p"), 403, "AUTH.BILLING_ACCOUNT_MISMATCH")
+    check(doc, "POST", path, service.post(path, query, principal="r-p", account="acct_o"), 403,
+          "AUTH.BILLING_ACCOUNT_MISMATCH")
+    check(doc, "POST", path, service.post(path, query, principal="nobody-p"), 422, "RESOURCE.NOT_FOUND")
+    check(doc, "POST", path, service.post(path, raw=b"{nope"), 400, "VALIDATION.MALFORMED_JSON")
+
+
+def _z(moment: datetime) -> str:
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 # ---- the docs page ---------------------------------------------------------------------------
