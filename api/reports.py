@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import hashlib
 from datetime import datetime, timedelta
 from typing import Any
@@ -111,7 +112,11 @@ def _parse(body: Any, realm: str, account: str | None) -> _Query:
     elif aggregate == "total" and group_by != ["bucket_start"]:
         _fault(errors, "aggregate", "VALIDATION.INVALID_VALUE", "aggregate total needs group_by [bucket_start] only")
     filters: dict[str, tuple[str, ...]] = {}
-    for i, f in enumerate(body.get("dim_filters") or []):
+    dim_filters = body.get("dim_filters") or []
+    if not isinstance(dim_filters, list):
+        _fault(errors, "dim_filters", "VALIDATION.INVALID_TYPE", "dim_filters must be an array")
+        dim_filters = []
+    for i, f in enumerate(dim_filters):
         field, op, value = (f.get("field"), f.get("op"), f.get("value")) if isinstance(f, dict) else (None, None, None)
         values = (value,) if op == "eq" and isinstance(value, str) else (
             tuple(value) if op == "in" and isinstance(value, list) and value and all(isinstance(v, str) for v in value)
@@ -128,7 +133,11 @@ def _parse(body: Any, realm: str, account: str | None) -> _Query:
             raise Forbidden("AUTH.BILLING_ACCOUNT_MISMATCH", "the filter names another billing account than the context")
         filters["billing_account_id"] = (account,)
     metric_filters: list[tuple[str, str, int]] = []
-    for i, f in enumerate(body.get("metric_filters") or []):
+    metric_filters_in = body.get("metric_filters") or []
+    if not isinstance(metric_filters_in, list):
+        _fault(errors, "metric_filters", "VALIDATION.INVALID_TYPE", "metric_filters must be an array")
+        metric_filters_in = []
+    for i, f in enumerate(metric_filters_in):
         field, op, value = (f.get("field"), f.get("op"), f.get("value")) if isinstance(f, dict) else (None, None, None)
         if (field not in metrics or op not in ("gte", "lte", "gt", "lt") or not isinstance(value, str)
                 or not value.lstrip("-").isdigit()):
@@ -156,21 +165,33 @@ def _parse(body: Any, realm: str, account: str | None) -> _Query:
     elif compare and not (aggregate == "total" or group_by == ["bucket_start"]):
         _fault(errors, "compare", "VALIDATION.INVALID_VALUE",
                "compare needs aggregate total or group_by [bucket_start] only")
-    limit = body.get("limit", DEFAULT_LIMIT)
+    limit = body.get("limit")
+    limit = DEFAULT_LIMIT if limit is None else limit
     if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_LIMIT:
         _fault(errors, "limit", "VALIDATION.INVALID_VALUE", f"limit must be an integer from 1 to {MAX_LIMIT}")
     offset = 0
     cursor = body.get("cursor")
     if cursor is not None:
+        # A cursor is the next row's offset and a digest of the query it pages through.
         try:
-            offset = int(base64.urlsafe_b64decode(cursor.encode()).decode().split(":")[0])
-        except (ValueError, AttributeError, UnicodeDecodeError):
-            _fault(errors, "cursor", "VALIDATION.INVALID_VALUE", "cursor is not one this service returned")
+            text, _, digest = base64.urlsafe_b64decode(cursor.encode()).decode().partition(":")
+            offset = int(text)
+            if offset < 0 or not text.isdigit() or digest != query_digest(body):
+                raise ValueError(cursor)
+        except (ValueError, AttributeError, UnicodeDecodeError, binascii.Error):
+            _fault(errors, "cursor", "VALIDATION.INVALID_VALUE",
+                   "cursor is not one this service returned for this query")
     if errors:
         raise Unprocessable("VALIDATION.INVALID_INPUT", "the request is invalid", errors=errors)
     assert start is not None and end is not None
     return _Query(realm, start, end, str(granularity), group_by, metrics, aggregate, list(filters.items()),
                   metric_filters, top_k, order_by, order, bool(compare), limit, offset)
+
+
+def query_digest(body: dict[str, Any]) -> str:
+    """What a cursor is bound to: the query without its cursor and limit, canonical."""
+    rest = {k: v for k, v in body.items() if k not in ("cursor", "limit")}
+    return hashlib.sha256(msgspec.json.encode(rest, order="sorted")).hexdigest()[:16]
 
 
 def _keep(row: dict[str, Any], metric_filters: list[tuple[str, str, int]]) -> bool:
@@ -265,8 +286,7 @@ class ReportsController(Controller):
             # A ratio for display, not money: the only float in a reply.
             data["delta_pct"] = {m: (round((totals[m] - before[m]) * 100 / before[m], 2) if before[m] else None)
                                  for m in totals}
-        digest = hashlib.sha256(raw).hexdigest()[:8]
-        next_cursor = (base64.urlsafe_b64encode(f"{q.offset + q.limit}:{digest}".encode()).decode()
+        next_cursor = (base64.urlsafe_b64encode(f"{q.offset + q.limit}:{query_digest(body)}".encode()).decode()
                        if more else None)
         meta = {"next_cursor": next_cursor, "has_more": more, "limit": q.limit}
         return Reply(_encode({"ok": True, "code": "OK", "data": data, "meta": meta}), 200, None)

@@ -254,7 +254,7 @@ class CommitItemError(Struct, forbid_unknown_fields=True):
     """Why an item was not committed: `type` as the official client names it, and the code."""
 
     type: Literal["invalid_request", "invalid_lease", "feature_mismatch", "meter_not_allowed_for_feature",
-                  "conflict", "resource.not_found"]
+                  "conflict"]
     code: Literal["VALIDATION.INVALID_INPUT", "VALIDATION.INVALID_TYPE", "LEASE.NOT_FOUND",
                   "LEASE.FEATURE_MISMATCH", "FEATURE.METER_NOT_ALLOWED", "RESOURCE.NOT_FOUND",
                   "LEASE.ALREADY_COMMITTED", "LEASE.CANCELLED", "IDEMPOTENCY.CONFLICT"]
@@ -271,6 +271,8 @@ class _CommitItem(Struct, tag_field="status", forbid_unknown_fields=True):
 class CommitItemCommitted(_CommitItem, tag="committed"):
     index: int
     commit: CommitData
+    hints: Annotated[list[Hint], Meta(description="The commit's hints (lease.expired, "
+                                                   "pricing.not_configured), when it has any.")] | UnsetType = UNSET
 
 
 class CommitItemDuplicate(_CommitItem, tag="duplicate"):
@@ -278,6 +280,7 @@ class CommitItemDuplicate(_CommitItem, tag="duplicate"):
 
     index: int
     commit: CommitData
+    hints: Annotated[list[Hint], Meta(description="The first commit's hints, when it had any.")] | UnsetType = UNSET
 
 
 class CommitItemInvalid(_CommitItem, tag="invalid"):

@@ -295,3 +295,27 @@ def test_usage_report_refuses_what_tollgate_does_not_record(svc: Service) -> Non
                                                   "time": {"from": "2026-11-01", "to": "x", "granularity": "week"}})
     assert bad_time.status_code == 422
     assert {e["field"] for e in bad_time.json()["errors"]} == {"time.from", "time.to", "time.granularity"}
+
+
+def test_usage_report_refuses_malformed_filters_and_foreign_cursors(svc: Service) -> None:
+    base = {"time": {"from": "2026-11-01T00:00:00Z", "to": "2027-01-01T00:00:00Z", "granularity": "day"},
+            "group_by": ["meter_code"]}
+    for field in ("dim_filters", "metric_filters"):
+        reply = svc.post("/mgt/v1/reports/usage", {**base, field: 7})
+        assert reply.status_code == 422, reply.text
+        assert reply.json()["errors"][0] == {"field": field, "code": "VALIDATION.INVALID_TYPE",
+                                             "message": f"{field} must be an array"}
+    assert svc.post("/mgt/v1/reports/usage", {**base, "limit": None}).status_code == 200
+    deadline = time.monotonic() + 30
+    while True:  # two rows (tok, out) once the batch test's commits are in the lake
+        first = svc.post("/mgt/v1/reports/usage", {**base, "limit": 1}, principal="p4").json()
+        if first["meta"]["has_more"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    cursor = first["meta"]["next_cursor"]
+    assert cursor
+    following = svc.post("/mgt/v1/reports/usage", {**base, "limit": 1, "cursor": cursor}, principal="p4").json()
+    assert following["data"]["rows"] and following["data"]["rows"] != first["data"]["rows"]
+    other = svc.post("/mgt/v1/reports/usage", {**base, "group_by": ["feature_code"], "cursor": cursor},
+                     principal="p4")
+    assert other.status_code == 422 and other.json()["errors"][0]["field"] == "cursor"

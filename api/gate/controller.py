@@ -324,7 +324,7 @@ _ERROR_TYPES = {
 
 
 def _item_error(code: str, message: str, errors: list[dict[str, Any]]) -> dict[str, Any]:
-    kind = _ERROR_TYPES.get(code, "invalid_request" if code.startswith("VALIDATION.") else code.lower())
+    kind = _ERROR_TYPES.get(code, "invalid_request")
     error: dict[str, Any] = {"type": kind, "code": code, "details": message}
     if errors:
         error["errors"] = errors
@@ -397,8 +397,11 @@ async def _commit_batch(call: _Call) -> GateOutcome:
 def _item_result(index: int, outcome: dict[str, Any]) -> dict[str, Any]:
     status = outcome["status"]
     if 200 <= status < 300:
-        return {"index": index, "status": "duplicate" if outcome["replayed"] else "committed",
-                "commit": outcome["data"]}
+        result = {"index": index, "status": "duplicate" if outcome["replayed"] else "committed",
+                  "commit": outcome["data"]}
+        if outcome["hints"]:
+            result["hints"] = outcome["hints"]
+        return result
     return {"index": index, "status": "invalid" if status == 422 else "failed",
             "error": _item_error(outcome["code"], outcome["message"], outcome["errors"])}
 
@@ -421,7 +424,7 @@ async def _ingest(call: _Call) -> GateOutcome:
         if parsed is None:
             f.fault("occurred_at", "VALIDATION.INVALID_TIMESTAMP", "occurred_at must be an RFC 3339 instant")
         elif (parsed - now).total_seconds() > call.realm.settings.max_future_skew_seconds:
-            f.fault("occurred_at", "VALIDATION.INVALID_TIMESTAMP",
+            f.fault("occurred_at", "VALIDATION.IN_FUTURE",
                     f"occurred_at is more than {call.realm.settings.max_future_skew_seconds} s in the future")
         else:
             at = parsed
