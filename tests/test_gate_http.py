@@ -94,7 +94,7 @@ def test_context_errors(service: Service) -> None:
 
 
 @pytest.mark.parametrize("body", [
-    {"feature_code": "gate.unit"},
+    {"estimated_quantity_minor": "1"},
     {"feature_code": "gate.unit", "estimated_quantity_minor": 10},
     {"feature_code": "gate.unit", "estimated_quantity_minor": "-1"},
     {"feature_code": "gate.unit", "estimated_quantity_minor": "9223372036854775808"},
@@ -208,7 +208,7 @@ def test_idempotency_key_replays_conflicts_and_scopes(service: Service) -> None:
     # another principal has its own scope
     assert service.post("/mgt/v1/gate/authorize", body, principal="gate-p2", idempotency_key=key).status_code == 200
     # a stored 422 replays too
-    bad = {"feature_code": "gate.unit"}
+    bad = {"feature_code": "gate.unit", "estimated_quantity_minor": "x"}
     k2 = f"idem-{uuid.uuid4()}"
     a = service.post("/mgt/v1/gate/authorize", bad, principal="gate-p", idempotency_key=k2)
     b = service.post("/mgt/v1/gate/authorize", bad, principal="gate-p", idempotency_key=k2)
