@@ -25,7 +25,7 @@ from litestar import Controller, Request, post
 
 from api.envelope import Reply
 from api.errors import BadRequest, Forbidden, Unprocessable
-from api.requests import authenticate, read_body
+from api.requests import account_in_context, authenticate, read_body
 from api.runtime import Runtime
 from pipelines.events import format_instant, parse_instant
 from warehouse.lake import with_lake_retry
@@ -237,15 +237,7 @@ class ReportsController(Controller):
         raw = await read_body(request)
         ctx = authenticate(runtime, request, raw)
         realm = runtime.realm(ctx)
-        account = ctx.billing_account_id
-        if ctx.principal_id:
-            owner = realm.principal_account.get(ctx.principal_id)
-            if owner is None:
-                raise Unprocessable("RESOURCE.NOT_FOUND", f"unknown principal {ctx.principal_id!r}")
-            if account and account != owner:
-                raise Forbidden("AUTH.BILLING_ACCOUNT_MISMATCH",
-                                "X-Billing-Account-Id is not the principal's billing account")
-            account = owner
+        account = account_in_context(realm, ctx)
         try:
             body = msgspec.json.decode(raw)
         except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):

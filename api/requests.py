@@ -7,10 +7,11 @@ from typing import Any
 from litestar import Request
 
 from api.auth import AuthContext
-from api.errors import BadRequest, PayloadTooLarge
+from api.errors import BadRequest, Forbidden, PayloadTooLarge, Unprocessable
 from api.runtime import Runtime
+from pipelines.catalog import Realm
 
-__all__ = ["authenticate", "read_body"]
+__all__ = ["account_in_context", "authenticate", "read_body"]
 
 
 async def read_body(request: Request[Any, Any, Any]) -> bytes:
@@ -52,3 +53,19 @@ def authenticate(runtime: Runtime, request: Request[Any, Any, Any], body: bytes)
     if query:
         path = f"{path}?{query.decode('latin-1')}"
     return runtime.auth.verify(scope["method"], path, headers, body)
+
+
+def account_in_context(realm: Realm, ctx: AuthContext) -> str | None:
+    """The billing account a read is about: the principal's (X-Principal-Id), which an
+    X-Billing-Account-Id sent beside it must name, else X-Billing-Account-Id; None when the
+    call names neither."""
+    account = ctx.billing_account_id
+    if ctx.principal_id:
+        owner = realm.principal_account.get(ctx.principal_id)
+        if owner is None:
+            raise Unprocessable("RESOURCE.NOT_FOUND", f"unknown principal {ctx.principal_id!r}")
+        if account and account != owner:
+            raise Forbidden("AUTH.BILLING_ACCOUNT_MISMATCH",
+                            "X-Billing-Account-Id is not the principal's billing account")
+        account = owner
+    return account or None

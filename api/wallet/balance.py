@@ -24,9 +24,9 @@ from typing import Any
 from litestar import Controller, Request, get
 
 from api.envelope import Reply, ok
-from api.errors import BadRequest, Forbidden, Unprocessable
+from api.errors import BadRequest, Unprocessable
 from api.gate.reads import available_xusd
-from api.requests import authenticate, read_body
+from api.requests import account_in_context, authenticate, read_body
 from api.runtime import Runtime
 from writer.ops import Standing, StandingOp
 
@@ -71,15 +71,7 @@ class WalletController(Controller):
         raw = await read_body(request)
         ctx = authenticate(runtime, request, raw)
         realm = runtime.realm(ctx)
-        account = ctx.billing_account_id
-        if ctx.principal_id:
-            owner = realm.principal_account.get(ctx.principal_id)
-            if owner is None:
-                raise Unprocessable("RESOURCE.NOT_FOUND", f"unknown principal {ctx.principal_id!r}")
-            if account and account != owner:
-                raise Forbidden("AUTH.BILLING_ACCOUNT_MISMATCH",
-                                "X-Billing-Account-Id is not the principal's billing account")
-            account = owner
+        account = account_in_context(realm, ctx)
         if not account:
             raise BadRequest("VALIDATION.MISSING_CONTEXT",
                              "X-Billing-Account-Id (or X-Principal-Id) is required for the balance")

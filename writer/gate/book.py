@@ -56,6 +56,7 @@ from writer.ops import (
     CommitOp,
     GateOutcome,
     IdemKey,
+    MeterLine,
     QuotaUse,
     RecordOutcomeOp,
     Standing,
@@ -102,6 +103,21 @@ def token_digest(token: str) -> str:
 
 def _error(status: int, code: str, message: str, **extra: Any) -> GateOutcome:
     return GateOutcome(status=status, code=code, message=message, **extra)
+
+
+def _meter_lines(feature: Feature, meters: list[MeterLine] | None,
+                 quantity: int) -> list[tuple[str, int]] | GateOutcome:
+    """The (meter, quantity) lines of a commit or an ingest: its `meters`, each a meter of the
+    feature, or the quantity on the feature's primary meter."""
+    if not meters:
+        return [(feature.primary_meter, quantity)]
+    bad = [(i, m.meter_code) for i, m in enumerate(meters) if m.meter_code not in feature.meters]
+    if bad:
+        return _error(422, "FEATURE.METER_NOT_ALLOWED",
+                      f"meters not allowed for {feature.code}: {', '.join(m for _, m in bad)}",
+                      errors=[{"field": f"meters[{i}].meter_code", "code": "FEATURE.METER_NOT_ALLOWED",
+                               "message": f"{m} is not a meter of {feature.code}"} for i, m in bad])
+    return [(m.meter_code, m.quantity_minor) for m in meters]
 
 
 def _price_lines(prices: PriceIndex, lines: list[tuple[str, int]], now: datetime,
@@ -338,17 +354,9 @@ class GateBook:
         feature = realm.features.get(lease.feature_code) if realm else None
         if realm is None or feature is None:
             return _error(422, "RESOURCE.NOT_FOUND", f"feature {lease.feature_code!r} is no longer in the catalog")
-        lines_in = op.meters if op.meters else None
-        if lines_in:
-            bad = [(i, m.meter_code) for i, m in enumerate(lines_in) if m.meter_code not in feature.meters]
-            if bad:
-                return _error(422, "FEATURE.METER_NOT_ALLOWED",
-                              f"meters not allowed for {feature.code}: {', '.join(m for _, m in bad)}",
-                              errors=[{"field": f"meters[{i}].meter_code", "code": "FEATURE.METER_NOT_ALLOWED",
-                                       "message": f"{m} is not a meter of {feature.code}"} for i, m in bad])
-            lines = [(m.meter_code, m.quantity_minor) for m in lines_in]
-        else:
-            lines = [(feature.primary_meter, op.quantity_minor)]
+        lines = _meter_lines(feature, op.meters, op.quantity_minor)
+        if isinstance(lines, GateOutcome):
+            return lines
 
         now = tx.now
         hints: list[dict[str, Any]] = []
@@ -455,16 +463,9 @@ class GateBook:
             return _error(422, "RESOURCE.NOT_FOUND", f"unknown or inactive feature {op.feature_code!r}")
         if op.billing_account_id not in realm.accounts:
             return _error(422, "RESOURCE.NOT_FOUND", f"unknown billing account {op.billing_account_id!r}")
-        if op.meters:
-            bad = [(i, m.meter_code) for i, m in enumerate(op.meters) if m.meter_code not in feature.meters]
-            if bad:
-                return _error(422, "FEATURE.METER_NOT_ALLOWED",
-                              f"meters not allowed for {feature.code}: {', '.join(m for _, m in bad)}",
-                              errors=[{"field": f"meters[{i}].meter_code", "code": "FEATURE.METER_NOT_ALLOWED",
-                                       "message": f"{m} is not a meter of {feature.code}"} for i, m in bad])
-            lines = [(m.meter_code, m.quantity_minor) for m in op.meters]
-        else:
-            lines = [(feature.primary_meter, op.quantity_minor)]
+        lines = _meter_lines(feature, op.meters, op.quantity_minor)
+        if isinstance(lines, GateOutcome):
+            return lines
         at = datetime.fromisoformat(op.occurred_at)
         hints: list[dict[str, Any]] = []
         booked = self._book(tx, realm, feature, op.billing_account_id, op.principal_id, "",
