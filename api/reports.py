@@ -29,7 +29,7 @@ from api.requests import account_in_context, authenticate, read_body
 from api.runtime import Runtime
 from pipelines.events import format_instant, parse_instant
 from warehouse.lake import with_lake_retry
-from warehouse.usage_query import DIMENSIONS, METRICS, LakeReader, UsageSlice, query_usage
+from warehouse.usage_query import DIMENSIONS, METRICS, LakeReader, UsageSlice
 
 __all__ = ["ReportsController"]
 
@@ -249,7 +249,7 @@ class ReportsController(Controller):
         def run(start: datetime, end: datetime) -> list[dict[str, Any]]:
             usage = UsageSlice(q.realm, start, end, q.granularity, tuple(q.group_by), tuple(q.metrics),
                                tuple(q.filters), families, collapse_buckets=q.aggregate != "series")
-            return with_lake_retry(lambda: query_usage(reader.connection(), usage))
+            return with_lake_retry(lambda: reader.query(usage))
 
         try:
             rows = await asyncio.to_thread(run, q.start, q.end)
