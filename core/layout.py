@@ -3,6 +3,8 @@
     operational.duckdb   the writer's operational file (outbox, gate book, idempotency)
     journal/             the writer's journal segments, ahead of the operational file
     keys.json            service keys (mode 0600), never in the lake
+    nonces/              the nonces of signed requests accepted within the skew window,
+                         so a restarted service refuses their replay (`api.auth.NonceLog`)
     catalog/             the applied catalog and its history, written by the CLI
     lake/                DuckLake: its SQLite catalog and Parquet files; `spill/` for flows,
                          `rating.lock` serialising rating runs
@@ -36,6 +38,10 @@ class DataFolder:
     @property
     def keys(self) -> Path:
         return self.root / "keys.json"
+
+    @property
+    def nonces(self) -> Path:
+        return self.root / "nonces"
 
     @property
     def catalog(self) -> Path:
