@@ -46,7 +46,7 @@ from writer.ops import (
     UsageOp,
 )
 
-__all__ = ["CatalogView", "main"]
+__all__ = ["CatalogView", "main", "sync_catalog"]
 
 
 log = logging.getLogger("tollgate.writer")
@@ -77,6 +77,15 @@ class CatalogView:
             log.error("applied catalog is invalid, keeping the previous one: %s", exc)
             return False
         return True
+
+
+def sync_catalog(catalog: CatalogView, gate: GateBook, conn: Any) -> None:
+    """The tick's catalog step: a new catalog makes its grants pending, and pending grants
+    are written on every tick until the write lands (a failed write is not lost with the
+    catalog change that asked for it)."""
+    if catalog.refresh():
+        gate.grants_pending = True
+    gate.sync_pending_grants(conn)
 
 
 class _Adapter:
@@ -170,8 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal ticks
         ticks += 1
         rate_singles()
-        if catalog.refresh():
-            gate.sync_grants(c)
+        sync_catalog(catalog, gate, c)
         gate.expire_due(c)
         if ticks % 600 == 0:
             gate.forget_old()
