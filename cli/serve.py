@@ -48,7 +48,7 @@ def serve(*, host: Host = None, port: Port = None, data_dir: DataDir = None) -> 
 
     settings = Settings.from_env(data_dir, host, port)
     try:
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        settings.folder.create()  # 0700: it holds the service keys and every account's usage
     except OSError as exc:
         raise CommandError(f"cannot create the data folder {settings.data_dir}:"
                            f" {exc.strerror or exc}", 2) from None

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from core.clock import SYSTEM_CLOCK
-from core.layout import DataFolder
+from core.layout import DataFolder, keep_private
 from core.settings import Settings
 from pipelines.catalog import Catalog, CatalogInvalid, load_catalog
 from warehouse.catalog_store import CatalogStore
@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--data-dir", required=True)
     args = parser.parse_args(argv)
+    keep_private()  # the operational file and the journal: 0600
     _die_with_parent()
     # Ctrl-C in a terminal reaches the whole process group. The service stops on it and then
     # closes its end of the socket, which ends this loop after the last rows reach the file;
