@@ -201,8 +201,8 @@ class NonceLog:
         for bucket in [b for b in list(self._fds) if (b + 1) * self.span <= now]:
             os.close(self._fds.pop(bucket))
         for path in self.folder.glob("*.log"):
-            bucket = _bucket_of(path)
-            if bucket is not None and (bucket + 1) * self.span <= now and bucket not in self._fds:
+            old = _bucket_of(path)
+            if old is not None and (old + 1) * self.span <= now and old not in self._fds:
                 path.unlink(missing_ok=True)
 
     def close(self) -> None:

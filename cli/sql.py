@@ -196,7 +196,8 @@ def _run(conn: Any, query: str, fmt: str, out: IO[str], *, blank_ok: bool = Fals
                 print("tollgate sql: no statement to run", file=sys.stderr)
             return blank_ok
         refused = [st.type.name for st in statements if st.type in kinds]
-        description, rows = None, []
+        description: Any = None
+        rows: list[Any] = []
         for st in statements:
             # Each statement is judged just before it runs, after the ones before it (a view
             # a later statement reads is then there to be planned).
