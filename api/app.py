@@ -23,26 +23,35 @@ from core.settings import Settings
 __all__ = ["create_app"]
 
 
+def _readiness(runtime: Runtime) -> list[str]:
+    """Why the service is not ready; empty when it is."""
+    if not runtime.ready:
+        return ["starting"]
+    if runtime.writer.closed:
+        return ["writer down"]
+    return []
+
+
 @get("/healthz", operation_id="healthz", tags=["ops"])
 async def healthz(request: Request[Any, Any, Any]) -> Reply:
+    """Unsigned, so it names nothing of the catalog's content (no realm, account or key)."""
     runtime: Runtime = request.app.state.runtime
+    reasons = _readiness(runtime)
     data = {
-        "status": "ready" if runtime.ready else "starting",
+        "status": "ready" if not reasons else "starting" if not runtime.ready else "down",
+        "reasons": reasons,
         "catalog": runtime.catalog.fingerprint,
-        "realms": sorted(runtime.catalog.realms),
         "schema_version": getattr(runtime, "schema_version", 0),
         "writer": "running" if runtime.ready and not runtime.writer.closed else "down",
     }
-    ready = runtime.ready and not runtime.writer.closed
-    return ok(data, status=200 if ready else 503)
+    return ok(data, status=503 if reasons else 200)
 
 
 @head("/healthz", operation_id="healthz_head", tags=["ops"])
 async def healthz_head(request: Request[Any, Any, Any]) -> Response[None]:
     """The readiness of GET /healthz as a status alone, for load balancers that probe with HEAD."""
     runtime: Runtime = request.app.state.runtime
-    ready = runtime.ready and not runtime.writer.closed
-    return Response(content=None, status_code=200 if ready else 503)
+    return Response(content=None, status_code=503 if _readiness(runtime) else 200)
 
 
 def create_app(settings: Settings, *, on_stop: Sequence[Callable[[], None]] = ()) -> Litestar:

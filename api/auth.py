@@ -6,8 +6,10 @@
 path with query as received, ts, nonce, content-digest, content-type, x-realm-id,
 x-principal-id, x-user-id, x-billing-account-id, x-billing-user-id, idempotency-key. The
 Content-Digest header must match the body. `ts` must lie within the skew window of the server
-clock and a nonce is accepted once within it. Checks run so that nothing about a key is told
-to a caller who has not proved they hold its secret.
+clock and a nonce is accepted once within it, across restarts too: every accepted nonce is
+appended to the data folder's nonce log (`NonceLog`) before the request is answered, and the
+log's nonces still in force are loaded at start. Checks run so that nothing about a key is
+told to a caller who has not proved they hold its secret.
 """
 
 from __future__ import annotations
@@ -16,12 +18,16 @@ import base64
 import binascii
 import hashlib
 import hmac
+import logging
+import math
+import os
 import re
 import secrets
 import time
 from collections import deque
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 
 import msgspec
 
@@ -29,7 +35,9 @@ from api.errors import BadRequest, Forbidden, Unauthorized
 from core.clock import SYSTEM_CLOCK, Clock
 from warehouse.keys import ServiceKey
 
-__all__ = ["AuthContext", "Authenticator", "content_digest", "sign_headers"]
+__all__ = ["AuthContext", "Authenticator", "NonceLog", "content_digest", "sign_headers"]
+
+log = logging.getLogger("tollgate.auth")
 
 _AUTH = re.compile(
     r"SVC-AUTH keyId=([^,\s]+),sig=([A-Za-z0-9+/=]+),ts=([^,\s]+),nonce=([^,\s]+),alg=HMAC-SHA256"
@@ -107,6 +115,112 @@ class _NonceWindow:
         self._order.append((now + self.ttl, entry))
         return True
 
+    def preload(self, entries: list[tuple[float, str, str]]) -> None:
+        """Nonces of an earlier process, (seconds left, key id, nonce): refused until then.
+        Called before any request, so the order stays by expiry (a new nonce's `ttl` is
+        never shorter than what a loaded one has left)."""
+        now = time.monotonic()
+        for left, key_id, nonce in sorted(entries):
+            entry = (key_id, nonce)
+            if entry not in self._seen:
+                self._seen.add(entry)
+                self._order.append((now + left, entry))
+
+
+class NonceLog:
+    """Accepted nonces on disk, so a restarted service still refuses them while their `ts`
+    could pass the skew check.
+
+    One line per nonce, `<expiry, epoch seconds>\t<key id>\t<nonce>\n`, appended with one
+    `write` to a segment file per `span` seconds of expiry (`<folder>/<n>.log`, mode 0600),
+    before the request is answered. The write reaches the kernel at once, so a killed or
+    restarted process loses none; `sync()` (every second, in a thread) makes them survive a
+    power loss too, without a sync on the request's path. A segment whose every nonce has
+    expired is deleted, so the folder holds at most the nonces of the last two skew windows.
+    """
+
+    def __init__(self, folder: Path, span_seconds: int) -> None:
+        self.folder = folder
+        self.span = max(1, span_seconds)
+        self._fds: dict[int, int] = {}
+        self._dirty: set[int] = set()
+        self._failed = False
+
+    def load(self, now: float) -> list[tuple[float, str, str]]:
+        """The nonces not yet expired at `now` (epoch seconds), as (seconds left, key id,
+        nonce); expired segments are deleted. A torn last line is skipped."""
+        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        found: list[tuple[float, str, str]] = []
+        for path in sorted(self.folder.glob("*.log")):
+            bucket = _bucket_of(path)
+            if bucket is None:
+                continue
+            if (bucket + 1) * self.span <= now:
+                path.unlink(missing_ok=True)
+                continue
+            for line in path.read_bytes().split(b"\n"):
+                parts = line.split(b"\t")
+                if len(parts) != 3:
+                    continue
+                try:
+                    expiry = int(parts[0])
+                except ValueError:
+                    continue
+                if expiry > now:
+                    found.append((expiry - now, parts[1].decode(errors="replace"),
+                                  parts[2].decode(errors="replace")))
+        return found
+
+    def append(self, key_id: str, nonce: str, expiry: int) -> None:
+        bucket = expiry // self.span
+        fd = self._fds.get(bucket)
+        try:
+            if fd is None:
+                fd = self._fds[bucket] = os.open(self.folder / f"{bucket}.log",
+                                                 os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            os.write(fd, f"{expiry}\t{key_id}\t{nonce}\n".encode())
+        except OSError:
+            # The nonce is still refused by this process; only a restart could forget it.
+            if not self._failed:
+                log.exception("could not record a nonce in %s", self.folder)
+            self._failed = True
+            return
+        self._failed = False
+        self._dirty.add(bucket)
+
+    def sync(self, now: float) -> None:
+        """Sync what was appended since the last call; close and delete expired segments."""
+        dirty, self._dirty = self._dirty, set()
+        for bucket in dirty:
+            fd = self._fds.get(bucket)
+            if fd is not None:
+                try:
+                    os.fdatasync(fd)
+                except OSError:
+                    log.exception("could not sync the nonce log")
+        for bucket in [b for b in list(self._fds) if (b + 1) * self.span <= now]:
+            os.close(self._fds.pop(bucket))
+        for path in self.folder.glob("*.log"):
+            old = _bucket_of(path)
+            if old is not None and (old + 1) * self.span <= now and old not in self._fds:
+                path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            try:
+                os.fdatasync(fd)
+            except OSError:
+                pass
+            os.close(fd)
+        self._fds.clear()
+
+
+def _bucket_of(path: Path) -> int | None:
+    try:
+        return int(path.stem)
+    except ValueError:
+        return None
+
 
 class Authenticator:
     def __init__(self, skew_seconds: int, clock: Clock = SYSTEM_CLOCK) -> None:
@@ -116,6 +230,12 @@ class Authenticator:
         self._secrets: dict[str, bytes] = {}  # decoded secrets, by the key's base64 text
         # A nonce must be refused for as long as its ts could still pass the skew check.
         self._nonces = _NonceWindow(2 * skew_seconds + 1)
+        self.nonce_log: NonceLog | None = None
+
+    def keep_nonces(self, log: NonceLog) -> None:
+        """Record every accepted nonce in `log`, and refuse those it holds from before."""
+        self._nonces.preload(log.load(self.clock.now().timestamp()))
+        self.nonce_log = log
 
     def verify(self, method: str, path: str, headers: dict[str, str], body: bytes) -> AuthContext:
         realm = headers.get("x-realm-id")
@@ -154,6 +274,9 @@ class Authenticator:
                                f"ts is more than {self.skew} s away from the server clock")
         if not self._nonces.first_use(key_id, nonce):
             raise Unauthorized("AUTH.REPLAYED_NONCE", "this nonce was already used")
+        if self.nonce_log is not None:
+            # Refused until its ts fails the skew check: ts + skew, rounded up.
+            self.nonce_log.append(key_id, nonce, math.ceil(signed_at.timestamp()) + self.skew + 1)
         if key.disabled:
             raise Forbidden("AUTH.SERVICE_KEY_DISABLED", "this service key is disabled")
         if key.realm != realm:

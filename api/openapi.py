@@ -194,7 +194,8 @@ ROUTES: tuple[Route, ...] = (
           {200: s.HealthData, 503: s.HealthData}, signed=False, errors=("INTERNAL.ERROR",),
           headers=(REQUEST_ID,),
           description="Unsigned. 200 when the service and its writer are ready; 503 with the same "
-                      "body (`ok: true`) while starting or when the writer is down."),
+                      "body (`ok: true`) while starting or when the writer is down, `reasons` "
+                      "saying which. Names no realm, account or key."),
     Route("HEAD", "/healthz", "healthz_head", "Readiness, as a status alone", "ops",
           {200: None, 503: None}, signed=False, headers=(REQUEST_ID,),
           description="Unsigned; for load balancers that probe with HEAD."),

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from api.auth import AuthContext, Authenticator
+from api.auth import AuthContext, Authenticator, NonceLog
 from api.errors import AppError, BadRequest, Unprocessable
 from api.gate.limits import RateLimiter
 from core.clock import SYSTEM_CLOCK, Clock
@@ -57,7 +57,9 @@ class Runtime:
     async def start(self) -> None:
         self.refresh()
         ours, theirs = socket.socketpair()
-        self.settings.data_dir.mkdir(parents=True, exist_ok=True)
+        self.settings.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Before the first request: the nonces an earlier process accepted are refused still.
+        self.auth.keep_nonces(NonceLog(self.settings.folder.nonces, self.settings.signature_skew_seconds))
         self._writer_proc = subprocess.Popen(
             [sys.executable, "-m", "writer.host", "--fd", str(theirs.fileno()),
              "--data-dir", str(self.settings.data_dir)],
@@ -82,6 +84,8 @@ class Runtime:
             task.cancel()
         if hasattr(self, "writer"):
             await self.writer.close()
+        if self.auth.nonce_log is not None:
+            self.auth.nonce_log.close()
         if hasattr(self, "_writer_proc"):
             try:
                 await asyncio.to_thread(self._writer_proc.wait, 30)
@@ -122,6 +126,12 @@ class Runtime:
                 self.refresh()
             except Exception:
                 log.exception("refresh failed")
+            nonce_log = self.auth.nonce_log
+            if nonce_log is not None:
+                try:
+                    await asyncio.to_thread(nonce_log.sync, self.clock.now().timestamp())
+                except Exception:
+                    log.exception("nonce log sync failed")
 
     # ---- request context --------------------------------------------------------------
     def realm(self, ctx: AuthContext) -> Realm:

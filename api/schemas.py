@@ -142,9 +142,12 @@ class ErrorEnvelope(Struct, forbid_unknown_fields=True):
 
 # ---- health ---------------------------------------------------------------------------------
 class HealthData(Struct, forbid_unknown_fields=True):
-    status: Literal["ready", "starting"]
+    status: Annotated[Literal["ready", "starting", "down"], Meta(
+        description="`ready`; `starting` until the writer has opened the data folder; `down` "
+                    "once the writer has gone.")]
+    reasons: Annotated[list[Literal["starting", "writer down"]], Meta(
+        description="Why the service is not ready; empty when it is.")]
     catalog: Annotated[str, Meta(description="The fingerprint of the applied catalog.")]
-    realms: list[str]
     schema_version: Annotated[int, Meta(description="The operational file's schema version.")]
     writer: Literal["running", "down"]
 

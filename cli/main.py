@@ -25,6 +25,7 @@ from cli.report import report
 from cli.serve import serve
 from cli.shared import OPTIONS, CommandError
 from cli.sql import sql
+from core.layout import keep_private
 from core.settings import ConfigError
 
 __all__ = ["app", "main"]
@@ -60,6 +61,7 @@ app.command(report, sort_key=7)
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `tollgate` with `argv` (default: the process's arguments); the exit code."""
+    keep_private()  # what a command creates in a data folder is 0600, its folders 0700
     tokens = list(sys.argv[1:] if argv is None else argv)
     try:
         command, bound, _ = app.parse_args(tokens, print_error=False, exit_on_error=False)

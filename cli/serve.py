@@ -8,7 +8,6 @@ address, the first start's demo catalog and key, and the banner that says how to
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import re
 import shlex
@@ -48,7 +47,7 @@ def serve(*, host: Host = None, port: Port = None, data_dir: DataDir = None) -> 
 
     settings = Settings.from_env(data_dir, host, port)
     try:
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        settings.folder.create()  # 0700: it holds the service keys and every account's usage
     except OSError as exc:
         raise CommandError(f"cannot create the data folder {settings.data_dir}:"
                            f" {exc.strerror or exc}", 2) from None
@@ -98,7 +97,7 @@ def _demo_catalog() -> str:
 
 def _bootstrap(settings: Settings) -> None:
     """The first start's set-up: the demo catalog when none is applied, a demo key when the
-    folder has none (its secret printed once)."""
+    folder has none (its id printed, its secret left in the key file)."""
     from warehouse.catalog_store import CatalogStore
     from warehouse.keys import ServiceKeyStore
 
@@ -113,9 +112,10 @@ def _bootstrap(settings: Settings) -> None:
     keys = ServiceKeyStore(settings.keys_path)
     if not keys.load():
         key = keys.create("acme")
-        print("tollgate: no service key yet, created a demo key for realm 'acme' "
-              f"(stored in {settings.keys_path}, mode 0600):")
-        print(json.dumps({"key_id": key.key_id, "secret": key.secret}))
+        # The secret stays in the key file, never in the output (which often ends in a log):
+        # `tollgate call`, the banner's example, reads it from there.
+        print(f"tollgate: no service key yet, created the demo key {key.key_id} for realm 'acme';"
+              f" its secret is in {settings.keys_path} (mode 0600)")
 
 
 def _prepare_lake(settings: Settings) -> None:

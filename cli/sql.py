@@ -3,13 +3,16 @@
     tollgate sql                                 an interactive session (`USE lake` is set)
     tollgate sql "SELECT ..." [--format F]       one query; F is table (default), csv or json
 
-The interactive session is the `duckdb` command-line shell when one of the same DuckDB
-version is on PATH (the lake's extensions are built for that version), and otherwise a small
-read-eval-print loop over stdin. Results: `table` aligns columns (cells cut at 80
+The interactive session is a small read-eval-print loop over stdin, never the `duckdb`
+command-line shell: every statement of either path passes the same guard (`_refusals`), which
+the shell would skip. Results: `table` aligns columns (cells cut at 80
 characters), `csv` is RFC 4180 with a header row, `json` is an array of objects in which
 integers stay integers (amounts are xusd integers), timestamps are ISO 8601 strings and JSON
 columns are nested values. The attach is read-only, so a write statement fails (exit code 1),
-as does any bad query.
+as does any bad query. A read-only attach alone still lets DuckLake's maintenance functions
+write Parquet files before they fail (`ducklake_flush_inlined_data`, however it is spelled:
+CALL, SELECT, a view, `query()`), so each statement is planned first and refused when its plan
+writes a file or runs a DuckLake function other than a read.
 """
 
 from __future__ import annotations
@@ -20,8 +23,6 @@ import datetime as dt
 import functools
 import math
 import re
-import shutil
-import subprocess
 import sys
 import uuid
 from collections.abc import Sequence
@@ -73,8 +74,7 @@ def sql(query: Query = None, /, *,
     """Query the lake (read-only) in DuckDB.
 
     The lake is attached read-only as lake (USE lake is set). Without QUERY, an
-    interactive session: the duckdb shell when the same DuckDB version is on
-    PATH, else a small loop over stdin (statements end with ;).
+    interactive session: a small loop over stdin (statements end with ;).
 
     Results: table aligns columns, csv is RFC 4180 with a header row, json is
     an array of objects (integers stay integers, times are ISO 8601). Exit code
@@ -88,9 +88,6 @@ def sql(query: Query = None, /, *,
         how to print results
     """
     folder = Settings.from_env(data_dir).data_dir
-    shell = _duckdb_shell() if query is None else None
-    if shell is not None:
-        return _run_shell(shell, folder)
     import duckdb
 
     try:
@@ -143,6 +140,43 @@ def _refused_statements() -> frozenset[Any]:
 
 
 
+# What a plan may run: scans, and DuckLake's functions that only read its catalog.
+_READ_ONLY_DUCKLAKE = frozenset({
+    "DUCKLAKE_SCAN", "DUCKLAKE_SNAPSHOTS", "DUCKLAKE_TABLE_INFO", "DUCKLAKE_TABLE_CHANGES",
+    "DUCKLAKE_TABLE_INSERTIONS", "DUCKLAKE_TABLE_DELETIONS", "DUCKLAKE_LIST_FILES",
+    "DUCKLAKE_OPTIONS", "DUCKLAKE_CURRENT_SNAPSHOT", "DUCKLAKE_LAST_COMMITTED_SNAPSHOT",
+})
+_WRITING_OPERATORS = ("COPY_TO_FILE", "INSERT", "DELETE", "UPDATE", "MERGE_INTO", "CREATE_TABLE_AS")
+_EXPLAIN_PREFIX = re.compile(r"\s*EXPLAIN\s+(?:\([^)]*\)\s*)?(?:ANALY[SZ]E\s+)?", re.IGNORECASE)
+
+
+def _refusals(conn: Any, statement: Any) -> list[str]:
+    """Why `statement` may not run: it writes a file or runs a DuckLake function other than a
+    read. Judged on its plan (EXPLAIN, which runs nothing), so the spelling does not matter:
+    `CALL ducklake_flush_inlined_data(..)`, `SELECT * FROM` it, a view or macro over it, or
+    `query('...')` all plan the same operators. Statements without a plan (SET, SHOW, PREPARE)
+    are judged when a plan runs them (EXECUTE, a SELECT of a view)."""
+    import duckdb
+
+    kinds = duckdb.StatementType
+    if statement.type not in (kinds.SELECT, kinds.CALL, kinds.EXECUTE, kinds.EXPLAIN,
+                              kinds.PRAGMA, kinds.INSERT, kinds.UPDATE, kinds.DELETE):
+        return []
+    text = statement.query
+    if statement.type == kinds.EXPLAIN:  # EXPLAIN ANALYZE runs what it explains
+        text = _EXPLAIN_PREFIX.sub("", text, count=1)
+    try:
+        rows = conn.execute(f"EXPLAIN (FORMAT JSON) {text}").fetchall()
+    except duckdb.Error:
+        return []  # it cannot be planned, so it cannot run either: its own error is clearer
+    found: set[str] = set()
+    for _, plan in rows:
+        words = set(re.findall(r"[A-Za-z_]+", plan.upper()))
+        found |= {w for w in words if w.startswith("DUCKLAKE_") and w not in _READ_ONLY_DUCKLAKE}
+        found |= {w for w in _WRITING_OPERATORS if w in words}
+    return sorted(found)
+
+
 def _run(conn: Any, query: str, fmt: str, out: IO[str], *, blank_ok: bool = False) -> bool:
     """Run one query and print its result; False (with the error on stderr) when it fails.
     A query with no statement (blank, or only comments) fails unless `blank_ok`."""
@@ -150,8 +184,8 @@ def _run(conn: Any, query: str, fmt: str, out: IO[str], *, blank_ok: bool = Fals
 
     from warehouse.lake import with_lake_retry
 
-    def step() -> tuple[Any, list[Any]]:
-        cursor = conn.execute(query)
+    def step(text: str) -> tuple[Any, list[Any]]:
+        cursor = conn.execute(text)
         return cursor.description, (cursor.fetchall() if cursor.description else [])
 
     try:
@@ -162,17 +196,19 @@ def _run(conn: Any, query: str, fmt: str, out: IO[str], *, blank_ok: bool = Fals
                 print("tollgate sql: no statement to run", file=sys.stderr)
             return blank_ok
         refused = [st.type.name for st in statements if st.type in kinds]
-        # DuckLake's maintenance procedures (merge, flush, expire, cleanup) fail on a read-only
-        # lake, but only after writing Parquet files that then lie orphaned in its folder.
-        refused += [f"CALL {found[0]}" for st in statements if st.type == duckdb.StatementType.CALL
-                    and (found := re.search(r"ducklake_\w+", st.query, re.IGNORECASE))]
-        if refused:
-            print(f"tollgate sql: the lake is read-only here; {', '.join(refused)} is refused",
-                  file=sys.stderr)
-            return False
-        # Nothing here writes, so a query that met the service's commit (`database is
-        # locked` on the lake's SQLite catalog) is simply run again.
-        description, rows = with_lake_retry(step)
+        description: Any = None
+        rows: list[Any] = []
+        for st in statements:
+            # Each statement is judged just before it runs, after the ones before it (a view
+            # a later statement reads is then there to be planned).
+            refused = refused or _refusals(conn, st)
+            if refused:
+                print(f"tollgate sql: the lake is read-only here; {', '.join(refused)} is refused",
+                      file=sys.stderr)
+                return False
+            # Nothing here writes, so a statement that met the service's commit (`database
+            # is locked` on the lake's SQLite catalog) is simply run again.
+            description, rows = with_lake_retry(functools.partial(step, st.query))
     except duckdb.Error as exc:
         print(f"tollgate sql: {exc}", file=sys.stderr)
         return False
@@ -308,41 +344,3 @@ def _repl(conn: Any, fmt: str) -> int:
     return 1 if failed and not interactive else 0
 
 
-def _duckdb_shell() -> str | None:
-    """The `duckdb` shell on PATH, if it is the version the lake's extensions are built for."""
-    import duckdb
-
-    shell = shutil.which("duckdb")
-    if shell is None:
-        return None
-    try:
-        version = subprocess.run([shell, "-version"], capture_output=True, text=True, timeout=10,
-                                 check=False).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if not version.startswith(f"v{duckdb.__version__}"):
-        print(f"tollgate sql: {shell} is not DuckDB {duckdb.__version__}; using the built-in loop",
-              file=sys.stderr)
-        return None
-    return shell
-
-
-def _run_shell(shell: str, data_dir: Path) -> int:
-    import duckdb
-    import duckdb_extension_ducklake
-    import duckdb_extension_sqlite
-
-    from warehouse.lake import lake_paths
-
-    catalog, _ = lake_paths(data_dir)
-    if not catalog.exists():
-        print(f"tollgate sql: no lake at {catalog.parent}", file=sys.stderr)
-        return 1
-    steps = []
-    for module, name in ((duckdb_extension_ducklake, "ducklake"), (duckdb_extension_sqlite, "sqlite")):
-        wheel = Path(module.__file__).parent / "extensions" / f"v{duckdb.__version__}" / f"{name}.duckdb_extension"
-        steps += [f"INSTALL '{wheel}'", f"LOAD {name}"]
-    steps += ["SET TimeZone = 'UTC'",
-              f"ATTACH 'ducklake:sqlite:{catalog}' AS lake (READ_ONLY)",
-              "USE lake", *_sandbox(data_dir)]
-    return subprocess.call([shell, "-cmd", "; ".join(steps) + ";"])

@@ -3,6 +3,8 @@
     operational.duckdb   the writer's operational file (outbox, gate book, idempotency)
     journal/             the writer's journal segments, ahead of the operational file
     keys.json            service keys (mode 0600), never in the lake
+    nonces/              the nonces of signed requests accepted within the skew window,
+                         so a restarted service refuses their replay (`api.auth.NonceLog`)
     catalog/             the applied catalog and its history, written by the CLI
     lake/                DuckLake: its SQLite catalog and Parquet files; `spill/` for flows,
                          `rating.lock` serialising rating runs
@@ -11,19 +13,37 @@
     .serve.lock          held by the one `tollgate serve` of this folder
     prefect-api.json     the address of the folder's local Prefect API (`flows.prefect_api`);
                          `prefect-api.log` its output, `.prefect-api.lock` held while one starts
+
+The folder is its user's alone: mode 0700, and every tollgate process that writes in it runs
+with the umask 077 (`keep_private`), so what it creates there is 0600 (folders 0700).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["DataFolder"]
+__all__ = ["PRIVATE_UMASK", "DataFolder", "keep_private"]
+
+PRIVATE_UMASK = 0o077
+
+
+def keep_private() -> None:
+    """What this process creates from now on is its user's alone: files 0600, folders 0700.
+    Called first by every tollgate process that writes in a data folder (the command, the
+    writer, the flows' processes), so DuckDB, SQLite and Parquet files get these modes too."""
+    os.umask(PRIVATE_UMASK)
 
 
 @dataclass(frozen=True, slots=True)
 class DataFolder:
     root: Path
+
+    def create(self) -> None:
+        """Create the folder (and its parents) mode 0700, or make an existing one 0700."""
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)
 
     @property
     def operational(self) -> Path:
@@ -36,6 +56,10 @@ class DataFolder:
     @property
     def keys(self) -> Path:
         return self.root / "keys.json"
+
+    @property
+    def nonces(self) -> Path:
+        return self.root / "nonces"
 
     @property
     def catalog(self) -> Path:

@@ -43,7 +43,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMappi
 from pathlib import Path
 from typing import Any
 
-from core.layout import DataFolder
+from core.layout import DataFolder, keep_private
 from core.settings import Settings
 
 __all__ = ["ApiDidNotStart", "flow_api", "local_api", "main", "server_environment"]
@@ -256,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="end with this process (the scheduler of `tollgate serve`)")
     args = parser.parse_args(argv)
+    keep_private()
     if args.parent_pid is not None:
         _end_with_parent(args.parent_pid)
     for name, value in {**_SERVER_ENV, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}.items():

@@ -33,6 +33,7 @@ from pathlib import Path
 from types import FrameType
 
 from core.clock import SYSTEM_CLOCK, Clock
+from core.layout import keep_private
 from core.schedules import SCHEDULED, Deployment, scheduled_with_overrides
 from core.settings import Settings
 from flows import flow_named
@@ -143,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop-on-eof", action="store_true",
                         help="stop when standard input ends (the service holds its other end)")
     args = parser.parse_args(argv)
+    keep_private()
     _end_with_parent(args.parent_pid)
     if args.parent_pid is not None:
         _PARENT.append(args.parent_pid)

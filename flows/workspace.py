@@ -15,7 +15,7 @@ from pathlib import Path
 import duckdb
 
 from batch.rating_runs import RatingLock
-from core.layout import DataFolder
+from core.layout import DataFolder, keep_private
 from core.settings import Settings
 from flows.process_memory import release_process_memory, settle_process_memory
 from pipelines.catalog import Catalog, load_catalog
@@ -45,6 +45,7 @@ def open_lake(data_dir: Path) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with the lake attached as `lake`, memory capped, in a process
     whose allocators are set for flows (`flows.process_memory`)."""
     settle_process_memory()
+    keep_private()  # a flow run by a Prefect worker writes lake files too: 0600
     conn = connect_lake(data_dir)
     spill = scratch_dir(data_dir)
     spill.mkdir(parents=True, exist_ok=True)

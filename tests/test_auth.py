@@ -150,3 +150,42 @@ def test_a_key_is_made_only_for_a_realm_id_and_an_unknown_realm_is_noted(service
     made = tollgate("keys", "create", "--realm", "not-applied", data_dir=service.data_dir)
     assert "has no realm 'not-applied'" in made.stderr
     assert json.loads(made.stdout)["key_id"]
+
+
+def test_a_nonce_answered_before_a_restart_is_refused_after_it_and_holds_nothing(
+        fresh_service: Service) -> None:
+    svc = fresh_service
+    svc.start()
+    path = "/mgt/v1/gate/authorize"
+    body = json.dumps({"feature_code": "gate.unit", "estimated_quantity_minor": "10"}).encode()
+    headers = sign_headers(key_id=svc.key.key_id, secret=svc.key.secret, method="POST", path=path,
+                           body=body, realm="acme", principal_id="funds-p")
+
+    def held() -> str:
+        r = svc.request("GET", "/mgt/v1/wallet/balance", principal="funds-p")
+        assert r.status_code == 200, r.text
+        return str(r.json()["data"]["held_xusd"])
+
+    assert svc.client.post(svc.base_url + path, content=body, headers=headers).status_code == 200
+    before = held()
+    svc.stop()
+    svc.start()
+    again = svc.client.post(svc.base_url + path, content=body, headers=headers)
+    assert code(again) == (401, "AUTH.REPLAYED_NONCE")
+    assert held() == before  # the replay took no hold
+    assert (svc.data_dir / "nonces").is_dir()
+
+
+def test_the_nonce_log_forgets_what_has_expired(tmp_path) -> None:
+    from api.auth import NonceLog
+
+    log = NonceLog(tmp_path / "nonces", 300)
+    assert log.load(1_000_000.0) == []
+    log.append("k", "old", 1_000_100)
+    log.append("k", "new", 1_000_700)
+    log.sync(1_000_000.0)
+    assert sorted(n for _, _, n in NonceLog(tmp_path / "nonces", 300).load(1_000_200.0)) == ["new"]
+    log.sync(1_000_400.0)  # the first segment has expired: closed and deleted
+    assert len(list((tmp_path / "nonces").glob("*.log"))) == 1
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in (tmp_path / "nonces").glob("*.log"))
+    log.close()

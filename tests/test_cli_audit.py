@@ -84,6 +84,12 @@ def test_the_call_the_first_start_prints_works_pasted_into_a_shell_without_the_v
         r = subprocess.run(["bash", "-c", pasted], capture_output=True, text=True, env=shell_env,
                            cwd=tmp_path, timeout=60)
         assert r.stdout.splitlines()[:1] == ["HTTP 201"], (pasted, r.stdout, r.stderr)
+        # the demo key is named by its id and where its secret is, never by the secret
+        [(key_id, record)] = json.loads((data_dir / "keys.json").read_text()).items()
+        output = banner + (tmp_path / "serve.err").read_text()
+        assert key_id in banner and str(data_dir / "keys.json") in banner
+        assert record["secret"] not in output
+        assert record["secret"].rstrip("=") not in output
     finally:
         stop(proc)
 

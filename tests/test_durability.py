@@ -73,6 +73,7 @@ def test_a_dead_writer_gives_503_in_the_envelope_and_a_restart_keeps_what_was_ac
         time.sleep(0.05)
     health = svc.client.get(svc.base_url + "/healthz")
     assert health.status_code == 503 and health.json()["data"]["writer"] == "down"
+    assert health.json()["data"]["reasons"] == ["writer down"]
     second = dict(first, subject_ref=str(uuid.uuid4()))
     refused = svc.post("/mgt/v1/events", second, account="acct_events")
     assert refused.status_code == 503, refused.text

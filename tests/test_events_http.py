@@ -192,7 +192,11 @@ def test_unknown_route_gets_the_error_envelope(service: Service) -> None:
 
 
 def test_healthz_and_openapi_need_no_auth(service: Service) -> None:
-    assert service.client.get(service.base_url + "/healthz").json()["data"]["status"] == "ready"
+    health = service.client.get(service.base_url + "/healthz")
+    assert health.json()["data"]["status"] == "ready" and health.json()["data"]["reasons"] == []
+    # unsigned, so it names no realm, account or key of the catalog
+    assert "realms" not in health.json()["data"]
+    assert not any(name in health.text for name in ("acme", "globex", "acct_", service.key.key_id))
     probe = service.client.head(service.base_url + "/healthz")
     assert (probe.status_code, probe.content) == (200, b"")
     schema = service.client.get(service.base_url + "/schema/openapi.json").json()

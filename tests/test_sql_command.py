@@ -460,19 +460,42 @@ def test_an_aggregate_day_counts_once_in_a_usage_report(analyst: duckdb.DuckDBPy
     assert sum(r["amount_xusd"] for r in report if r["period"] == "month") == CURRENT
 
 
-def test_without_a_query_a_duckdb_shell_of_the_same_version_gets_the_session(lake_dir: Path, tmp_path: Path) -> None:
-    # A stand-in shell that reports its version and records how it was started.
+def lake_files(data_dir: Path) -> set[Path]:
+    return {p for p in (data_dir / "lake").rglob("*") if p.is_file()}
+
+
+MAINTENANCE = [
+    "SELECT * FROM ducklake_expire_snapshots('lake', older_than => now())",
+    "SELECT * FROM ducklake_flush_inlined_data('lake')",   # writes Parquet, then fails, read-only
+    "FROM query('SELECT * FROM ducklake_' || 'flush_inlined_data(''lake'')')",
+    "CREATE TEMP VIEW v AS SELECT * FROM ducklake_flush_inlined_data('lake'); SELECT * FROM v",
+    "EXPLAIN ANALYZE SELECT * FROM ducklake_merge_adjacent_files('lake')",
+    "INSERT INTO events (realm) VALUES ('x')",
+]
+
+
+@pytest.mark.parametrize("statement", MAINTENANCE)
+def test_a_write_or_maintenance_however_spelled_is_refused_by_both_paths(lake_dir: Path,
+                                                                          statement: str) -> None:
+    before = lake_files(lake_dir)
+    snapshots = sql(lake_dir, "SELECT count(*) AS n FROM ducklake_snapshots('lake')", "json").stdout
+    raw_sql(lake_dir, statement, code=1)                   # one query
+    raw_sql(lake_dir, stdin=statement + ";\n", code=1)     # the interactive session's loop
+    assert lake_files(lake_dir) == before
+    assert sql(lake_dir, "SELECT count(*) AS n FROM ducklake_snapshots('lake')", "json").stdout == snapshots
+
+
+def test_without_a_query_the_guarded_loop_runs_even_with_a_duckdb_shell_on_path(
+        lake_dir: Path, tmp_path: Path) -> None:
+    # A `duckdb` shell would run statements past the guard: it is not started.
     shell = tmp_path / "duckdb"
     shell.write_text(f"""#!/bin/sh
 if [ "$1" = "-version" ]; then echo "v{duckdb.__version__} 0000000000"; exit 0; fi
-printf '%s\\n' "$@" > {tmp_path / "args"}
+touch {tmp_path / "started"}
 """)
     shell.chmod(0o755)
     env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{Path(sys.executable).parent}"}
-    subprocess.run([sys.executable, "-m", "cli", "sql", "--data-dir", str(lake_dir)],
-                   env=env, check=True, capture_output=True)
-    flag, init = (tmp_path / "args").read_text().splitlines()[:2]
-    assert flag == "-cmd"
-    assert "LOAD ducklake" in init and "USE lake;" in init
-    assert init.endswith("SET enable_external_access = false; SET lock_configuration = true;")
-    assert f"ATTACH 'ducklake:sqlite:{lake_dir / 'lake' / 'catalog.sqlite'}' AS lake (READ_ONLY)" in init
+    done = subprocess.run([sys.executable, "-m", "cli", "sql", "--format", "csv", "--data-dir", str(lake_dir)],
+                          env=env, input=b"SELECT 1 AS one;\n", capture_output=True, check=True)
+    assert done.stdout == b"one\r\n1\r\n"
+    assert not (tmp_path / "started").exists()

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from core.clock import SYSTEM_CLOCK
-from core.layout import DataFolder
+from core.layout import DataFolder, keep_private
 from core.settings import Settings
 from pipelines.catalog import Catalog, CatalogInvalid, load_catalog
 from warehouse.catalog_store import CatalogStore
@@ -46,7 +46,7 @@ from writer.ops import (
     UsageOp,
 )
 
-__all__ = ["CatalogView", "main"]
+__all__ = ["CatalogView", "main", "sync_catalog"]
 
 
 log = logging.getLogger("tollgate.writer")
@@ -79,6 +79,15 @@ class CatalogView:
         return True
 
 
+def sync_catalog(catalog: CatalogView, gate: GateBook, conn: Any) -> None:
+    """The tick's catalog step: a new catalog makes its grants pending, and pending grants
+    are written on every tick until the write lands (a failed write is not lost with the
+    catalog change that asked for it)."""
+    if catalog.refresh():
+        gate.grants_pending = True
+    gate.sync_pending_grants(conn)
+
+
 class _Adapter:
     """A gate method as a writer handler."""
 
@@ -101,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--data-dir", required=True)
     args = parser.parse_args(argv)
+    keep_private()  # the operational file and the journal: 0600
     _die_with_parent()
     # Ctrl-C in a terminal reaches the whole process group. The service stops on it and then
     # closes its end of the socket, which ends this loop after the last rows reach the file;
@@ -170,8 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal ticks
         ticks += 1
         rate_singles()
-        if catalog.refresh():
-            gate.sync_grants(c)
+        sync_catalog(catalog, gate, c)
         gate.expire_due(c)
         if ticks % 600 == 0:
             gate.forget_old()

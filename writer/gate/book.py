@@ -20,6 +20,7 @@ import base64
 import functools
 import hashlib
 import heapq
+import logging
 import os
 from collections import defaultdict
 from collections.abc import Callable
@@ -100,6 +101,8 @@ def _lease_token() -> str:
 def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
+log = logging.getLogger("tollgate.writer.gate")
+
 
 def _error(status: int, code: str, message: str, **extra: Any) -> GateOutcome:
     return GateOutcome(status=status, code=code, message=message, **extra)
@@ -149,6 +152,8 @@ class GateBook:
         self._clock = clock
         self._price_index: dict[str, PriceIndex] = {}
         self._price_fingerprint = ""
+        self.grants_pending = True  # the catalog's grants are not known to be in the file
+        self._grant_failures: set[str] = set()
 
     # ---- state --------------------------------------------------------------------------
     def rebuild(self, conn: duckdb.DuckDBPyConnection) -> None:
@@ -193,7 +198,30 @@ class GateBook:
             outcome = msgspec.msgpack.decode(reply, type=GateOutcome)
             self.idempotency[(realm, principal, endpoint, key)] = (sha, outcome, stored_at)
         self.line_seq, self.commit_seq = last_seqs(conn)
-        self.sync_grants(conn)
+        self.grants_pending = True
+        self.sync_pending_grants(conn)
+
+    def sync_pending_grants(self, conn: duckdb.DuckDBPyConnection) -> bool:
+        """`sync_grants` while a sync is pending (set at start and by every new catalog),
+        cleared only once the grants are in the file: a write that fails is tried again on
+        the writer's next tick, not at the next catalog change. Each kind of failure is
+        logged once until a sync lands. True when nothing is pending any more."""
+        if not self.grants_pending:
+            return True
+        try:
+            self.sync_grants(conn)
+        except Exception as exc:
+            kind = type(exc).__name__
+            if kind not in self._grant_failures:
+                self._grant_failures.add(kind)
+                log.exception("recording the catalog's grants failed; retrying on every tick")
+            return False
+        if self._grant_failures:
+            log.info("the catalog's grants are recorded after %s",
+                     ", ".join(sorted(self._grant_failures)))
+            self._grant_failures.clear()
+        self.grants_pending = False
+        return True
 
     def sync_grants(self, conn: duckdb.DuckDBPyConnection) -> None:
         """Record the catalog's grants in the ledger, once per id (idempotent by id)."""
