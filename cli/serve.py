@@ -80,13 +80,18 @@ def serve(*, host: Host = None, port: Port = None, data_dir: DataDir = None) -> 
     config = uvicorn.Config(app, host=settings.host, port=settings.port, loop="uvloop",
                             http=http_protocol(), lifespan="on", log_level="warning",
                             access_log=False, timeout_keep_alive=30, proxy_headers=False)
+    server = uvicorn.Server(config)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        server.run(sockets=[sock])
     except KeyboardInterrupt:
         # uvicorn re-raises Ctrl-C once it has shut down gracefully: nothing more to report.
         return 130
     finally:
         scheduler.stop()
+    if not server.started:
+        # The app's start failed (a writer that refused its journal, say): uvicorn returns
+        # quietly after logging it, and a service that never served must not exit 0.
+        raise CommandError("the service did not start (the reason is above)", 1)
     return 0
 
 

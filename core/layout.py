@@ -2,6 +2,7 @@
 
     operational.duckdb   the writer's operational file (outbox, gate book, idempotency)
     journal/             the writer's journal segments, ahead of the operational file
+    journal-quarantine/  segments kept aside by `tollgate journal accept-loss`, and its log
     keys.json            service keys (mode 0600), never in the lake
     catalog/             the applied catalog and its history, written by the CLI
     lake/                DuckLake: its SQLite catalog and Parquet files; `spill/` for flows,
@@ -32,6 +33,10 @@ class DataFolder:
     @property
     def journal(self) -> Path:
         return self.root / "journal"
+
+    @property
+    def journal_quarantine(self) -> Path:
+        return self.root / "journal-quarantine"
 
     @property
     def keys(self) -> Path:
