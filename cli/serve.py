@@ -61,6 +61,7 @@ def serve(*, host: Host = None, port: Port = None, data_dir: DataDir = None) -> 
     if held:
         raise CommandError(f"the data folder {settings.data_dir} is in use by another process"
                            f" ({held}); one service per data folder", 2)
+    _check_journal(settings)
     try:
         sock = _listen(settings)
     except OSError as exc:
@@ -93,6 +94,20 @@ def serve(*, host: Host = None, port: Port = None, data_dir: DataDir = None) -> 
         # quietly after logging it, and a service that never served must not exit 0.
         raise CommandError("the service did not start (the reason is above)", 1)
     return 0
+
+
+def _check_journal(settings: Settings) -> None:
+    """Refuse to start, in one paragraph, when the writer's recovery would (a journal that may
+    have lost an acknowledged group; `warehouse.journal_scan`). The writer checks again as it
+    opens the file, and exits with the same paragraph; said here, it is not buried under the
+    app's failed start."""
+    from warehouse.journal_scan import applied_seq, scan_journal
+
+    if not settings.folder.journal.is_dir():
+        return
+    scan = scan_journal(settings.folder.journal, applied_seq(settings.operational_path))
+    if not scan.ok:
+        raise CommandError(scan.refusal(), 1)
 
 
 def _demo_catalog() -> str:
