@@ -11,12 +11,15 @@ Both run with the service stopped (the operational file has one writing process)
 from __future__ import annotations
 
 import os
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from cyclopts import App, Parameter
 
 from cli.shared import OPTIONS, CommandError, DataDir
 from core.settings import Settings
+
+if TYPE_CHECKING:
+    from warehouse.journal_scan import JournalScan
 
 __all__ = ["app"]
 
@@ -24,7 +27,7 @@ app = App(name="journal", help="Check the writer's journal, or accept a loss it 
           group_parameters=OPTIONS)
 
 
-def _scan(settings: Settings):  # type: ignore[no-untyped-def]
+def _scan(settings: Settings) -> JournalScan:
     import duckdb
 
     from warehouse.journal_scan import applied_seq, scan_journal

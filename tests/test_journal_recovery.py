@@ -114,7 +114,7 @@ def test_a_bad_tail_with_valid_groups_in_a_later_segment_is_refused(tmp_path: Pa
     _flip(first, _offset_of(first, 3) + 12)           # the last record of a full segment
     before = _snapshot(journal)
     message = str(_refused(tmp_path))
-    assert "group 3 is missing" in message and "000000000002.journal" in message, message
+    assert "group 3 is missing" in message and "in segment 000000000002.journal" in message, message
     assert _snapshot(journal) == before
 
 

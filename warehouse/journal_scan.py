@@ -108,10 +108,11 @@ class Problem:
                     f" {self.after} (a number out of order)")
         if self.kind == "gap":
             return f"segment {seg} offset {rec.offset}: group {rec.seq} follows group {self.after}; {lost}"
-        bad = sum(s.end - s.offset for _, s in self.stretches)
-        where = ", ".join(f"{name} offset {s.offset}" for name, s in self.stretches)
-        return (f"segment {self.segment}: {bad} unreadable bytes ({where}) followed by readable"
-                f" group {rec.seq} in {seg}; {lost}")
+        where = ", ".join(f"{s.end - s.offset} unreadable bytes at offset {s.offset}"
+                          + ("" if name == self.segment else f" of {name}")
+                          for name, s in self.stretches)
+        later = "" if seg == self.segment else f" in segment {seg}"
+        return f"segment {self.segment}: {where}, then readable group {rec.seq}{later}; {lost}"
 
 
 def _span(missing: tuple[int, int] | None) -> str:
