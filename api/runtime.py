@@ -22,6 +22,7 @@ from api.auth import AuthContext, Authenticator, NonceLog
 from api.errors import AppError, BadRequest, Unprocessable
 from api.gate.limits import RateLimiter
 from core.clock import SYSTEM_CLOCK, Clock
+from core.constants import WRITER_JOURNAL_REFUSED
 from core.settings import Settings
 from pipelines.catalog import Catalog, CatalogInvalid, Realm, load_catalog
 from warehouse.catalog_store import CatalogStore
@@ -157,6 +158,14 @@ def _read_hello(sock: socket.socket, proc: subprocess.Popen[bytes]) -> dict[str,
     try:
         head = sock.recv(4, socket.MSG_WAITALL)
         if len(head) < 4:
+            try:
+                code = proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                code = None
+            if code == WRITER_JOURNAL_REFUSED:
+                raise RuntimeError("the writer process refused to start: its journal may have lost"
+                                   " acknowledged groups (its message above says which, and what"
+                                   " to run)")
             raise RuntimeError("the writer process could not open the data folder (its error is above;"
                                " is another `tollgate serve` using this data folder?)")
         body = sock.recv(int.from_bytes(head, "big"), socket.MSG_WAITALL)

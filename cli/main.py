@@ -1,7 +1,7 @@
 """The `tollgate` command: the cyclopts App that gathers the subcommands, and the one error path.
 
 Each subcommand lives in a module of its own: `cli.serve`, `cli.keys`, `cli.catalog`,
-`cli.call`, `cli.sql`, `cli.flows` and `cli.report`; they import what is heavy (DuckDB,
+`cli.call`, `cli.sql`, `cli.flows`, `cli.report` and `cli.journal`; they import what is heavy (DuckDB,
 uvicorn, Prefect, matplotlib) inside the commands, so `tollgate --help` and `tollgate call`
 start quickly. This module owns the parsing and `main`, the only place where an error
 becomes a message and an exit code: a usage error 2, `CommandError` its own code, a bad
@@ -19,7 +19,7 @@ from typing import Any
 
 from cyclopts import App, CycloptsError, Parameter, UnusedCliTokensError
 
-from cli import catalog, flows, keys
+from cli import catalog, flows, journal, keys
 from cli.call import call
 from cli.report import report
 from cli.serve import serve
@@ -32,7 +32,8 @@ __all__ = ["app", "main"]
 
 app = App(
     name="tollgate",
-    help="The tollgate service and its tools: serve, keys, catalog, call, sql, flows, report.\n\n"
+    help="The tollgate service and its tools: serve, keys, catalog, call, sql, flows, report,"
+         " journal.\n\n"
          "Every subcommand takes --data-dir (or TOLLGATE_DATA_DIR; default ./var).",
     # The commands and flags are those of the argparse command line before: no --version.
     version_flags=(),
@@ -57,6 +58,8 @@ app.command(sql, sort_key=5, usage="Usage: tollgate sql [OPTIONS] [QUERY]")
 flows.app.sort_key = 6
 app.command(flows.app)
 app.command(report, sort_key=7)
+journal.app.sort_key = 8
+app.command(journal.app)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

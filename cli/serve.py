@@ -60,6 +60,7 @@ def serve(*, host: Host = None, port: Port = None, data_dir: DataDir = None) -> 
     if held:
         raise CommandError(f"the data folder {settings.data_dir} is in use by another process"
                            f" ({held}); one service per data folder", 2)
+    _check_journal(settings)
     try:
         sock = _listen(settings)
     except OSError as exc:
@@ -79,14 +80,33 @@ def serve(*, host: Host = None, port: Port = None, data_dir: DataDir = None) -> 
     config = uvicorn.Config(app, host=settings.host, port=settings.port, loop="uvloop",
                             http=http_protocol(), lifespan="on", log_level="warning",
                             access_log=False, timeout_keep_alive=30, proxy_headers=False)
+    server = uvicorn.Server(config)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        server.run(sockets=[sock])
     except KeyboardInterrupt:
         # uvicorn re-raises Ctrl-C once it has shut down gracefully: nothing more to report.
         return 130
     finally:
         scheduler.stop()
+    if not server.started:
+        # The app's start failed (a writer that refused its journal, say): uvicorn returns
+        # quietly after logging it, and a service that never served must not exit 0.
+        raise CommandError("the service did not start (the reason is above)", 1)
     return 0
+
+
+def _check_journal(settings: Settings) -> None:
+    """Refuse to start, in one paragraph, when the writer's recovery would (a journal that may
+    have lost an acknowledged group; `warehouse.journal_scan`). The writer checks again as it
+    opens the file, and exits with the same paragraph; said here, it is not buried under the
+    app's failed start."""
+    from warehouse.journal_scan import applied_seq, scan_journal
+
+    if not settings.folder.journal.is_dir():
+        return
+    scan = scan_journal(settings.folder.journal, applied_seq(settings.operational_path))
+    if not scan.ok:
+        raise CommandError(scan.refusal(), 1)
 
 
 def _demo_catalog() -> str:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-__all__ = ["INT64_MAX", "INT64_MIN"]
+__all__ = ["INT64_MAX", "INT64_MIN", "WRITER_JOURNAL_REFUSED"]
 
 # Amounts and quantities are BIGINT in the operational file and the lake: a value beyond
 # these is refused at the edge rather than wrapped or widened on the way.
 INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)
+
+# The exit code of a writer process whose journal may have lost an acknowledged group: it has
+# printed why and which command to run, and the service does not start.
+WRITER_JOURNAL_REFUSED = 3

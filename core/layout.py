@@ -2,6 +2,7 @@
 
     operational.duckdb   the writer's operational file (outbox, gate book, idempotency)
     journal/             the writer's journal segments, ahead of the operational file
+    journal-quarantine/  segments kept aside by `tollgate journal accept-loss`, and its log
     keys.json            service keys (mode 0600), never in the lake
     nonces/              the nonces of signed requests accepted within the skew window,
                          so a restarted service refuses their replay (`api.auth.NonceLog`)
@@ -52,6 +53,10 @@ class DataFolder:
     @property
     def journal(self) -> Path:
         return self.root / "journal"
+
+    @property
+    def journal_quarantine(self) -> Path:
+        return self.root / "journal-quarantine"
 
     @property
     def keys(self) -> Path:

@@ -14,7 +14,7 @@ import pytest
 
 from cli.main import main
 
-SUBCOMMANDS = ("serve", "keys", "catalog", "call", "sql", "flows", "report")
+SUBCOMMANDS = ("serve", "keys", "catalog", "call", "sql", "flows", "report", "journal")
 FLAGS = {
     ("serve",): ["--host", "--port", "--data-dir"],
     ("keys", "create"): ["--realm", "--data-dir"],
@@ -29,6 +29,8 @@ FLAGS = {
     ("flows", "list"): ["--data-dir"],
     ("flows", "run"): ["NAME", "--param", "--data-dir"],
     ("report",): ["--account", "--month", "--realm", "--out", "--data-dir"],
+    ("journal", "check"): ["--data-dir"],
+    ("journal", "accept-loss"): ["--through", "--segment", "--data-dir"],
 }
 
 
@@ -61,10 +63,10 @@ def test_each_subcommand_help_names_its_flags_in_plain_text(command: tuple[str, 
         assert re.search(rf"^  {re.escape(flag)}\b.*: \S", r.stdout, flags=re.MULTILINE), (flag, r.stdout)
 
 
-@pytest.mark.parametrize("group", ["keys", "catalog", "flows"])
+@pytest.mark.parametrize("group", ["keys", "catalog", "flows", "journal"])
 def test_a_group_help_lists_its_commands(group: str) -> None:
     r = cli(group, "--help")
-    listed = re.findall(r"^  ([a-z]+): \S", r.stdout, flags=re.MULTILINE)
+    listed = re.findall(r"^  ([a-z-]+): \S", r.stdout, flags=re.MULTILINE)
     assert listed == [c[1] for c in FLAGS if c[0] == group], r.stdout
 
 
@@ -81,6 +83,7 @@ def test_a_group_help_lists_its_commands(group: str) -> None:
     ["serve", "extra"],
     ["report"],                                # --account left out
     ["report", "--account", "acct_a", "--month", "2026-1"],
+    ["journal", "accept-loss"],                # nothing said to accept
 ], ids=lambda args: " ".join(args) or "(nothing)")
 def test_a_usage_error_exits_2_in_one_readable_line(args: list[str], tmp_path: Path) -> None:
     r = cli(*args, "--data-dir", str(tmp_path)) if args else cli()

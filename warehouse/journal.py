@@ -14,7 +14,9 @@ rows wait), together with the number of the last group applied (`journal_state`)
 segments that held them are deleted. A commit to the file with a checkpoint took 30-200 ms
 here, which in the writer's loop was the p99 of every request. At start, `recover` applies
 every complete group after that number, so a `kill -9` between the two steps loses nothing
-and applies nothing twice; a torn last record (never acknowledged) is cut off.
+and applies nothing twice; a torn last record (never acknowledged) is cut off. A bad record
+with a valid one after it, or a jump in group numbers, may be an acknowledged group lost: the
+store then refuses to open (`JournalCorrupt`, see `warehouse.journal_scan`) and changes nothing.
 
 Everything that reads the operational file in the writer process calls `materialize` first
 (or `reading`); the lake exporter reads only what is applied, a tick later.
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import threading
 import zlib
 from collections.abc import Callable, Iterator
@@ -32,19 +33,19 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
-import msgspec
 import pyarrow as pa
 
 from core.constants import INT64_MAX, INT64_MIN
 from warehouse.durable import sync_dir
+from warehouse.journal_scan import HEAD, JournalCorrupt, JournalScan, Record, Stretch, scan_journal
+from warehouse.journal_scan import encode as _encode
 
-__all__ = ["DirectStore", "Journal", "JournaledStore", "TableWriter", "register_table", "write_rows"]
+__all__ = ["DirectStore", "Journal", "JournalCorrupt", "JournaledStore", "TableWriter",
+           "register_table", "write_rows"]
 
 log = logging.getLogger("tollgate.writer")
 
-_HEAD = struct.Struct(">II")  # payload length, crc32 of the payload
-_encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder(tuple[int, dict[str, list[tuple[Any, ...]]]]).decode
+_HEAD = HEAD  # payload length, crc32 of the payload
 
 # Writes rows of one table into DuckDB inside the materializing transaction.
 TableWriter = Callable[[duckdb.DuckDBPyConnection, list[tuple[Any, ...]]], None]
@@ -133,25 +134,30 @@ class Journal:
             self.broken = True
 
     def groups(self) -> Iterator[tuple[int, dict[str, list[tuple[Any, ...]]]]]:
-        """Every complete group in the file, in order; a torn or corrupt tail is cut off (the
-        zeros of a prefilled file are no tail)."""
-        with open(self.path, "rb") as f:
-            data = f.read()
-        at = 0
-        while at + _HEAD.size <= len(data):
-            size, crc = _HEAD.unpack_from(data, at)
-            if size == 0:
-                break  # zeros: where the next group would have gone
-            payload = data[at + _HEAD.size:at + _HEAD.size + size]
-            if len(payload) < size or zlib.crc32(payload) != crc:
-                break
-            yield _decode(payload)
-            at += _HEAD.size + size
-        self._size = at
-        if at < len(data) and data.count(0, at) != len(data) - at:
-            log.warning("journal: cutting %d bytes of an unfinished record at offset %d", len(data) - at, at)
-            os.ftruncate(self._fd, at)
-            self._length = at
+        """Every complete group in the file, in order; a torn tail (a bad or partial record
+        with no valid one after it) is cut off (the zeros of a prefilled file are no tail).
+        Bad bytes with a valid record after them raise `JournalCorrupt` before anything is
+        read or cut: that is not a write in flight but a group that may be lost."""
+        scan = scan_journal(self.path.parent, 0, [self.path])
+        if any(p.stretches for p in scan.problems):
+            raise JournalCorrupt(scan)
+        [segment] = scan.segments
+        tail = next((p for p in segment.pieces if isinstance(p, Stretch)), None)
+        records = [p for p in segment.pieces if isinstance(p, Record)]
+        self._size = records[-1].end if records else 0
+        if tail is not None:
+            self.cut(tail.offset)
+        for record in records:
+            yield record.seq, record.tables
+
+    def cut(self, at: int) -> None:
+        """Cut an unfinished record off at `at` (nothing valid follows it)."""
+        log.warning("journal: cutting %d bytes of an unfinished record at offset %d of %s",
+                    self._length - at, at, self.path.name)
+        os.ftruncate(self._fd, at)
+        os.fdatasync(self._fd)
+        self._length = at
+        self._size = min(self._size, at)
 
     @property
     def size(self) -> int:
@@ -268,6 +274,11 @@ class JournaledStore:
         self.applied_seq = int(row[0]) if row else 0
         self.seq = self.applied_seq
         found = self._segment_paths()
+        # Read before anything is created or cut: a journal that may have lost an
+        # acknowledged group stops here, as it is (the operator decides; the message says how).
+        self._scan: JournalScan | None = scan_journal(journal_dir, self.applied_seq, found)
+        if not self._scan.ok:
+            raise JournalCorrupt(self._scan)
         self._next_segment = (int(found[-1].stem) + 1) if found else 1
         self._segments: list[Journal] = []  # not yet deleted, oldest first; the last is `journal`
         self._thread: threading.Thread | None = None
@@ -322,17 +333,21 @@ class JournaledStore:
                 or (not journal.prefilled and self._spare is not None))
 
     def recover(self) -> int:
-        """Apply every journaled group the file does not hold yet; the number applied."""
+        """Apply every journaled group the file does not hold yet; the number applied. The
+        segments were read when the store opened (and found sound): their groups follow on
+        from the file's last one, and what is cut is only a record nobody was told about."""
         applied = 0
-        for path in self._segment_paths():
-            if path == self.journal.path:
-                continue
-            old = Journal(path)
-            for seq, tables in old.groups():
-                if seq <= self.seq:  # in the file already, or met in an earlier segment
+        scan, self._scan = self._scan, None
+        for segment in scan.segments if scan is not None else []:
+            old = Journal(segment.path)
+            for piece in segment.pieces:
+                if isinstance(piece, Stretch):  # a torn tail: nothing valid after it anywhere
+                    old.cut(piece.offset)
+                    break
+                if piece.seq <= self.seq:  # in the file already
                     continue
-                self._merge(tables)
-                self.seq = seq
+                self._merge(piece.tables)
+                self.seq = piece.seq
                 applied += 1
             self._segments.insert(len(self._segments) - 1, old)
         self.materialize()

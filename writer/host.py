@@ -23,12 +23,13 @@ from typing import Any
 import msgspec
 
 from core.clock import SYSTEM_CLOCK
+from core.constants import WRITER_JOURNAL_REFUSED
 from core.layout import DataFolder, keep_private
 from core.settings import Settings
 from pipelines.catalog import Catalog, CatalogInvalid, load_catalog
 from warehouse.catalog_store import CatalogStore
 from warehouse.export import run_exporter_thread
-from warehouse.journal import JournaledStore
+from warehouse.journal import JournalCorrupt, JournaledStore
 from warehouse.operational import open_operational, schema_version
 from warehouse.outbox import EventOutbox
 from warehouse.writer import run_writer
@@ -122,7 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     folder = settings.folder
     sock = socket.socket(fileno=args.fd)
     conn = open_operational(folder.operational)
-    store = JournaledStore(conn, folder.journal)
+    try:
+        store = JournaledStore(conn, folder.journal)
+    except JournalCorrupt as exc:
+        conn.close()
+        print(f"tollgate: {exc}", file=sys.stderr, flush=True)
+        return WRITER_JOURNAL_REFUSED
     store.recover()
     catalog = CatalogView(folder)
     outbox = EventOutbox(conn)
