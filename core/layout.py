@@ -44,7 +44,10 @@ class DataFolder:
     def create(self) -> None:
         """Create the folder (and its parents) mode 0700, or make an existing one 0700."""
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.root, 0o700)
+        try:
+            os.chmod(self.root, 0o700)
+        except PermissionError:
+            pass  # a folder of another user: the caller's writability check says so
 
     @property
     def operational(self) -> Path:
