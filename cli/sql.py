@@ -162,6 +162,13 @@ def _refusals(conn: Any, statement: Any) -> list[str]:
     if statement.type not in (kinds.SELECT, kinds.CALL, kinds.EXECUTE, kinds.EXPLAIN,
                               kinds.PRAGMA, kinds.INSERT, kinds.UPDATE, kinds.DELETE):
         return []
+    # By name as well, before any plan: a call that cannot be planned here (or shows under
+    # another name in its plan) still names itself.
+    named = sorted({w.upper() for w in re.findall(r"\b(ducklake_[a-z_]+)\s*\(", statement.query, re.IGNORECASE)
+                    if w.upper() not in _READ_ONLY_DUCKLAKE})
+    if named:
+        return named
+    found: set[str] = set()
     text = statement.query
     if statement.type == kinds.EXPLAIN:  # EXPLAIN ANALYZE runs what it explains
         text = _EXPLAIN_PREFIX.sub("", text, count=1)
@@ -169,9 +176,6 @@ def _refusals(conn: Any, statement: Any) -> list[str]:
         rows = conn.execute(f"EXPLAIN (FORMAT JSON) {text}").fetchall()
     except duckdb.Error:
         return []  # it cannot be planned, so it cannot run either: its own error is clearer
-    # By name as well: a function the plan shows under another name still names itself here.
-    found = {w.upper() for w in re.findall(r"\b(ducklake_[a-z_]+)\s*\(", statement.query, re.IGNORECASE)
-             if w.upper() not in _READ_ONLY_DUCKLAKE}
     for _, plan in rows:
         words = set(re.findall(r"[A-Za-z_]+", plan.upper()))
         found |= {w for w in words if w.startswith("DUCKLAKE_") and w not in _READ_ONLY_DUCKLAKE}
