@@ -150,7 +150,7 @@ class Runtime:
                 while restarts and restarts[0] < now - RESTART_WINDOW_SECONDS:
                     restarts.popleft()
                 if len(restarts) >= MAX_WRITER_RESTARTS:
-                    self._fail(f"the writer process ended {len(restarts) + 1} times within"
+                    self._fail(f"the writer process ended or failed to start {len(restarts) + 1} times within"
                                f" {RESTART_WINDOW_SECONDS:g} s; the service stops (exit 1) so that"
                                " its supervisor restarts it")
                     return

@@ -167,6 +167,40 @@ def test_a_writer_killed_under_load_is_restarted_and_nothing_acknowledged_is_los
     assert commits is not None and commits[0] >= commits_acked
 
 
+def test_a_writer_that_keeps_dying_makes_the_service_exit_1_for_its_supervisor(
+        fresh_service: Service, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import time
+    from pathlib import Path
+
+    from api.runtime import MAX_WRITER_RESTARTS
+
+    if not Path("/proc").is_dir():
+        return
+    monkeypatch.setenv("TOLLGATE_SCHEDULES", "off")
+    svc = fresh_service
+    svc.start()
+    assert svc.proc is not None
+    body = {"semantic_kind": "activity", "event_type": "writer.dies", "occurred_at": "2026-11-20T10:00:00Z",
+            "subject_ref": str(uuid.uuid4())}
+    assert svc.post("/mgt/v1/events", body, account="acct_events").status_code == 201
+    killed: set[int] = set()
+    deadline = time.monotonic() + 90
+    while svc.proc.poll() is None and time.monotonic() < deadline:
+        for pid in processes_of(svc.data_dir, "writer.host"):
+            if pid not in killed:
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+        time.sleep(0.05)
+    assert svc.proc.wait(timeout=30) == 1
+    assert len(killed) == MAX_WRITER_RESTARTS + 1
+    assert svc.log_path is not None
+    assert f"{MAX_WRITER_RESTARTS + 1} times within" in svc.log_path.read_text()
+    svc.proc = None
+    svc.start()  # what its supervisor does: the acknowledged event is there
+    assert svc.post("/mgt/v1/events", body, account="acct_events").status_code == 200
+
+
 def test_ctrl_c_to_the_process_group_stops_cleanly_with_everything_in_the_file(fresh_service: Service) -> None:
     # A terminal's Ctrl-C reaches the service and its writer alike. The writer waits for the
     # service to close its socket, so the last rows reach the file and nothing is left over.
