@@ -167,6 +167,44 @@ def test_a_writer_killed_under_load_is_restarted_and_nothing_acknowledged_is_los
     assert commits is not None and commits[0] >= commits_acked
 
 
+def test_a_stuck_writer_gets_503_with_retry_after_at_the_deadline_and_its_late_replies_are_dropped(
+        fresh_service: Service, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import time
+    from pathlib import Path
+
+    if not Path("/proc").is_dir():
+        return
+    monkeypatch.setenv("TOLLGATE_WRITER_DEADLINE_SECONDS", "1")
+    monkeypatch.setenv("TOLLGATE_SCHEDULES", "off")
+    svc = fresh_service
+    svc.start()
+    [writer] = processes_of(svc.data_dir, "writer.host")
+    body = {"semantic_kind": "activity", "event_type": "writer.stuck", "occurred_at": "2026-11-20T10:00:00Z",
+            "subject_ref": str(uuid.uuid4())}
+    os.kill(writer, signal.SIGSTOP)
+    try:
+        began = time.monotonic()
+        event = svc.post("/mgt/v1/events", body, account="acct_events")
+        gate = svc.post("/mgt/v1/gate/authorize", {"feature_code": "gate.unit", "estimated_quantity_minor": "1"},
+                        principal="gate-p")
+        took = time.monotonic() - began
+    finally:
+        os.kill(writer, signal.SIGCONT)
+    for r in (event, gate):
+        assert r.status_code == 503 and r.json()["code"] == "STORAGE.UNAVAILABLE", r.text
+        assert r.headers["retry-after"] == "2"
+    assert 2 <= took < 6
+    # The writer goes on: it stored the event after all (its reply was dropped), so a retry
+    # is a duplicate, and new requests are answered as usual.
+    retried = svc.post("/mgt/v1/events", body, account="acct_events")
+    assert retried.status_code == 200, retried.text
+    fresh = svc.post("/mgt/v1/events", dict(body, subject_ref=str(uuid.uuid4())), account="acct_events")
+    assert fresh.status_code == 201
+    assert processes_of(svc.data_dir, "writer.host") == [writer]
+    assert svc.client.get(svc.base_url + "/healthz").status_code == 200
+
+
 def test_a_writer_that_keeps_dying_makes_the_service_exit_1_for_its_supervisor(
         fresh_service: Service, monkeypatch: pytest.MonkeyPatch) -> None:
     import os

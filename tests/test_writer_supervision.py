@@ -160,3 +160,8 @@ def test_a_new_writer_that_fails_to_start_is_tried_again(tmp_path: Path, monkeyp
 def test_restarts_pause_longer_each_time() -> None:
     pauses: list[Any] = [runtime_module.restart_pause(n) for n in range(1, MAX_WRITER_RESTARTS + 1)]
     assert pauses[0] == 0 and pauses == sorted(pauses) and pauses[-1] <= 30
+
+
+def test_the_deadline_is_a_setting() -> None:
+    assert Settings.from_env("var", env={}).writer_deadline_seconds == 10.0
+    assert Settings.from_env("var", env={"TOLLGATE_WRITER_DEADLINE_SECONDS": "2.5"}).writer_deadline_seconds == 2.5
