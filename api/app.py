@@ -28,7 +28,7 @@ def _readiness(runtime: Runtime) -> list[str]:
     if not runtime.ready:
         return ["starting"]
     if runtime.writer.closed:
-        return ["writer down"]
+        return ["writer restarting" if runtime.writer_state == "restarting" else "writer down"]
     return []
 
 
@@ -42,7 +42,8 @@ async def healthz(request: Request[Any, Any, Any]) -> Reply:
         "reasons": reasons,
         "catalog": runtime.catalog.fingerprint,
         "schema_version": getattr(runtime, "schema_version", 0),
-        "writer": "running" if runtime.ready and not runtime.writer.closed else "down",
+        "writer": ("running" if not runtime.writer.closed else runtime.writer_state
+                   if runtime.writer_state == "restarting" else "down") if runtime.ready else "down",
     }
     return ok(data, status=503 if reasons else 200)
 

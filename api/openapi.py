@@ -71,7 +71,7 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "FEATURE.METER_NOT_ALLOWED": (422, "A meter of the commit is not a meter of the feature; `errors` names each."),
     "LIMIT.RATE_EXCEEDED": (429, "A rate limit of the feature is full; retry after `Retry-After` seconds (hint `rate.limit`)."),
     "INTERNAL.ERROR": (500, "An unexpected failure, logged with the trace id; no detail is sent."),
-    "STORAGE.UNAVAILABLE": (503, "The writer could not make the request durable, or is down; nothing was stored: retry."),
+    "STORAGE.UNAVAILABLE": (503, "The writer could not make the request durable, is restarting, or did not answer within its deadline: retry after `Retry-After` seconds (a retried event already stored is answered as a duplicate; a gate call replays under its `Idempotency-Key`)."),
 }
 
 # Codes of `errors[].code` (and of an event batch item's `error.code`): the fault of one field.
@@ -309,7 +309,7 @@ _SVC_AUTH_TEXT = (
 _RESPONSE_HEADERS: dict[str, dict[str, Any]] = {
     "X-Request-Id": {"description": "The trace id of this request (the caller's X-Request-Id when sane); equals the error body's trace_id.",
                      "required": True, "schema": {"type": "string"}},
-    "Retry-After": {"description": "Seconds until the rate limit's window resets.",
+    "Retry-After": {"description": "429: seconds until the rate limit's window resets; 503: seconds after which to retry.",
                     "required": True, "schema": {"type": "string", "pattern": "^[0-9]+$"}},
     "Idempotent-Replayed": {"description": "Present, `true`, when this answer replays the one stored under the Idempotency-Key.",
                             "schema": {"type": "string", "enum": ["true"]}},
@@ -351,7 +351,7 @@ def _envelope(data: Any, schemas: Mapping[Any, dict[str, Any]], meta: type | Non
 
 def _headers(route: Route, status: int) -> dict[str, Any]:
     names = ["X-Request-Id"]
-    if status == 429:
+    if status in (429, 503) and route.signed:
         names.append("Retry-After")
     if route.idempotent and (200 <= status < 300 or status in (402, 409, 422)):
         names.append("Idempotent-Replayed")

@@ -4,6 +4,14 @@ writer, the applied catalog, the service keys and the authenticator.
 The catalog and the keys are files written by the CLI; the runtime polls them and swaps in a
 new version within `reload_interval_seconds`, so `tollgate catalog apply` and
 `tollgate keys disable` take effect on a running server without a restart.
+
+The runtime supervises the writer process. When it ends unexpectedly, every op in flight has
+already failed with 503 (`WriterClient.connection_lost`), requests meanwhile get 503 at once,
+and a new writer is started: it applies the journal as at any start, so nothing acknowledged
+is lost. Restarts are bounded (`MAX_WRITER_RESTARTS` within `RESTART_WINDOW_SECONDS`, the
+later ones after a growing pause); past the bound, or when the writer refuses its journal
+(which no restart can fix), the runtime records why in `fatal` and calls `on_fatal`, and
+`tollgate serve` exits 1 so that its own supervisor acts.
 """
 
 from __future__ import annotations
@@ -14,6 +22,9 @@ import logging
 import socket
 import subprocess
 import sys
+import time
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -31,9 +42,31 @@ from warehouse.usage_query import LakeReader
 from warehouse.writer import RemoteFailure, WriterClient
 from writer.ops import RESULT_TYPES
 
-__all__ = ["Runtime"]
+__all__ = ["MAX_WRITER_RESTARTS", "RESTART_WINDOW_SECONDS", "RETRY_AFTER_SECONDS", "Runtime",
+           "WriterRefused"]
 
 log = logging.getLogger("tollgate.runtime")
+# A 503 STORAGE.UNAVAILABLE tells the client to retry after this many seconds: about the time
+# a writer takes to restart.
+RETRY_AFTER_SECONDS = 2
+# At most this many writer restarts within the window; one more and the service exits 1.
+MAX_WRITER_RESTARTS = 5
+RESTART_WINDOW_SECONDS = 600.0
+# The pause before the n-th restart of the window: none for the first, then 1, 2, 4, 8 s.
+MAX_RESTART_PAUSE_SECONDS = 30.0
+
+
+class WriterRefused(RuntimeError):
+    """The writer refused to start for a reason a restart cannot fix (its journal)."""
+
+
+def restart_pause(n: int) -> float:
+    """The pause before the n-th restart within the window.
+
+    >>> [restart_pause(n) for n in range(1, 7)]
+    [0.0, 1.0, 2.0, 4.0, 8.0, 16.0]
+    """
+    return 0.0 if n <= 1 else min(MAX_RESTART_PAUSE_SECONDS, 2.0 ** (n - 2))
 
 
 class Runtime:
@@ -51,6 +84,13 @@ class Runtime:
         # Idempotency scopes whose first request is still being answered (409 IN_PROGRESS).
         self.idempotency_in_flight: set[tuple[str, str, str, str]] = set()
         self.ready = False
+        # `running`, `restarting` (after the writer ended, until a new one is ready) or `down`.
+        self.writer_state = "down"
+        # Why the service must stop (set once), and what stops it (`tollgate serve` sets it).
+        self.fatal: str | None = None
+        self.on_fatal: Callable[[], None] | None = None
+        self.writer_restarts = 0
+        self._stopping = False
         # The lake, read by POST /reports/usage: attached on first use.
         self.lake_reader = LakeReader(settings.data_dir)
 
@@ -61,24 +101,96 @@ class Runtime:
         self.settings.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         # Before the first request: the nonces an earlier process accepted are refused still.
         self.auth.keep_nonces(NonceLog(self.settings.folder.nonces, self.settings.signature_skew_seconds))
-        self._writer_proc = subprocess.Popen(
-            [sys.executable, "-m", "writer.host", "--fd", str(theirs.fileno()),
-             "--data-dir", str(self.settings.data_dir)],
-            pass_fds=[theirs.fileno()],
-        )
-        theirs.close()
-        hello = await asyncio.to_thread(_read_hello, ours, self._writer_proc)
-        self.schema_version = int(hello["schema_version"])
-        self.writer = WriterClient(ours, RESULT_TYPES)
-        await self.writer.start()
+        await self._start_writer()
         self._tasks.append(asyncio.create_task(self._poll_files()))
+        self._tasks.append(asyncio.create_task(self._supervise()))
         # What is loaded by now lives as long as the process: out of the collector's full
         # scans, which otherwise walk every module and catalog object now and then.
         gc.collect()
         gc.freeze()
         self.ready = True
 
+    async def _start_writer(self) -> None:
+        """Start a writer process and wait until it has opened the file (and applied the
+        journal); raises `WriterRefused` or RuntimeError when it does not."""
+        ours, theirs = socket.socketpair()
+        self._writer_proc = subprocess.Popen(
+            [sys.executable, "-m", "writer.host", "--fd", str(theirs.fileno()),
+             "--data-dir", str(self.settings.data_dir)],
+            pass_fds=[theirs.fileno()],
+        )
+        theirs.close()
+        try:
+            hello = await asyncio.to_thread(_read_hello, ours, self._writer_proc)
+        except BaseException:
+            ours.close()
+            raise
+        self.schema_version = int(hello["schema_version"])
+        writer = WriterClient(ours, RESULT_TYPES, deadline_seconds=self.settings.writer_deadline_seconds)
+        await writer.start()
+        self.writer = writer
+        self.writer_state = "running"
+
+    async def _supervise(self) -> None:
+        """Restart the writer whenever it ends while the service runs (see the module's doc)."""
+        restarts: deque[float] = deque()
+        while True:
+            assert self.writer.lost is not None
+            await asyncio.shield(self.writer.lost)
+            if self._stopping:
+                return
+            self.writer_state = "restarting"
+            code = await self._reap_writer()
+            if code == WRITER_JOURNAL_REFUSED:
+                self._fail(_REFUSED)
+                return
+            log.error("the writer process ended (exit code %s); starting a new one", code)
+            while True:
+                now = time.monotonic()
+                while restarts and restarts[0] < now - RESTART_WINDOW_SECONDS:
+                    restarts.popleft()
+                if len(restarts) >= MAX_WRITER_RESTARTS:
+                    self._fail(f"the writer process ended or failed to start {len(restarts) + 1} times within"
+                               f" {RESTART_WINDOW_SECONDS:g} s; the service stops (exit 1) so that"
+                               " its supervisor restarts it")
+                    return
+                restarts.append(now)
+                await asyncio.sleep(restart_pause(len(restarts)))
+                if self._stopping:
+                    return
+                try:
+                    await self._start_writer()
+                except WriterRefused:
+                    self._fail(_REFUSED)
+                    return
+                except Exception as exc:
+                    log.error("the new writer process did not start: %s", exc)
+                    await self._reap_writer()
+                    continue
+                break
+            self.writer_restarts += 1
+            log.warning("a new writer process is ready (restart %d); the journal was applied",
+                        self.writer_restarts)
+
+    async def _reap_writer(self) -> int | None:
+        """Wait for the writer process that went away to end (killing it if it lingers), so
+        that the operational file is free for the next one; its exit code."""
+        proc = self._writer_proc
+        try:
+            return await asyncio.to_thread(proc.wait, 10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return await asyncio.to_thread(proc.wait)
+
+    def _fail(self, message: str) -> None:
+        self.fatal = message
+        self.writer_state = "down"
+        log.critical("%s", message)
+        if self.on_fatal is not None:
+            self.on_fatal()
+
     async def stop(self) -> None:
+        self._stopping = True
         self.ready = False
         self.lake_reader.close()
         for task in self._tasks:
@@ -98,7 +210,10 @@ class Runtime:
         try:
             return await self.writer.submit(op)
         except RemoteFailure as exc:
-            raise AppError.from_wire(exc.payload) from None
+            error = AppError.from_wire(exc.payload)
+            if error.status == 503:
+                error.headers.setdefault("Retry-After", str(RETRY_AFTER_SECONDS))
+            raise error from None
 
     # ---- catalog and keys -------------------------------------------------------------
     def refresh(self) -> None:
@@ -152,6 +267,10 @@ class Runtime:
         return realm, ctx.billing_account_id
 
 
+_REFUSED = ("the writer process refused to start: its journal may have lost acknowledged groups"
+            " (its message above says which, and what to run)")
+
+
 def _read_hello(sock: socket.socket, proc: subprocess.Popen[bytes]) -> dict[str, Any]:
     """Wait for the writer process to open the file and say it is ready."""
     sock.settimeout(120)
@@ -163,9 +282,7 @@ def _read_hello(sock: socket.socket, proc: subprocess.Popen[bytes]) -> dict[str,
             except subprocess.TimeoutExpired:
                 code = None
             if code == WRITER_JOURNAL_REFUSED:
-                raise RuntimeError("the writer process refused to start: its journal may have lost"
-                                   " acknowledged groups (its message above says which, and what"
-                                   " to run)")
+                raise WriterRefused(_REFUSED)
             raise RuntimeError("the writer process could not open the data folder (its error is above;"
                                " is another `tollgate serve` using this data folder?)")
         body = sock.recv(int.from_bytes(head, "big"), socket.MSG_WAITALL)

@@ -144,12 +144,13 @@ class ErrorEnvelope(Struct, forbid_unknown_fields=True):
 class HealthData(Struct, forbid_unknown_fields=True):
     status: Annotated[Literal["ready", "starting", "down"], Meta(
         description="`ready`; `starting` until the writer has opened the data folder; `down` "
-                    "once the writer has gone.")]
-    reasons: Annotated[list[Literal["starting", "writer down"]], Meta(
+                    "while the writer is gone (being restarted, or for good).")]
+    reasons: Annotated[list[Literal["starting", "writer restarting", "writer down"]], Meta(
         description="Why the service is not ready; empty when it is.")]
     catalog: Annotated[str, Meta(description="The fingerprint of the applied catalog.")]
     schema_version: Annotated[int, Meta(description="The operational file's schema version.")]
-    writer: Literal["running", "down"]
+    writer: Annotated[Literal["running", "restarting", "down"], Meta(
+        description="`restarting` from the writer's end until a new writer has applied the journal.")]
 
 
 # ---- gate -----------------------------------------------------------------------------------

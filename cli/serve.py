@@ -81,6 +81,10 @@ def serve(*, host: Host = None, port: Port = None, data_dir: DataDir = None) -> 
                             http=http_protocol(), lifespan="on", log_level="warning",
                             access_log=False, timeout_keep_alive=30, proxy_headers=False)
     server = uvicorn.Server(config)
+    runtime = app.state.runtime
+    # A writer that cannot be kept running (it refused its journal, or ended too often) stops
+    # the server as a signal would, and this command then exits 1 so its supervisor acts.
+    runtime.on_fatal = lambda: setattr(server, "should_exit", True)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:
@@ -88,6 +92,8 @@ def serve(*, host: Host = None, port: Port = None, data_dir: DataDir = None) -> 
         return 130
     finally:
         scheduler.stop()
+    if runtime.fatal is not None:
+        raise CommandError(runtime.fatal, 1)
     if not server.started:
         # The app's start failed (a writer that refused its journal, say): uvicorn returns
         # quietly after logging it, and a service that never served must not exit 0.

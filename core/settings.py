@@ -14,6 +14,7 @@ them see the same settings.
 | TOLLGATE_SCHEDULE_SECONDS         | (none)       | intervals, e.g. `rate-events=30`           |
 | TOLLGATE_FLOW_MEMORY_LIMIT        | 1GB          | DuckDB's memory limit in a flow            |
 | TOLLGATE_PREFECT_API_IDLE_SECONDS | 600          | when the Prefect API `flows run` keeps stops (`flows.prefect_api`); 0: none kept |
+| TOLLGATE_WRITER_DEADLINE_SECONDS  | 10           | how long a request waits for the writer before its 503 (`api.runtime`) |
 """
 
 from __future__ import annotations
@@ -65,6 +66,26 @@ def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
     return value
 
 
+def _positive_seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    """A duration in seconds, more than 0 (a fraction is allowed).
+
+    >>> _positive_seconds({"S": "2.5"}, "S", 10), _positive_seconds({}, "S", 10)
+    (2.5, 10.0)
+    >>> _positive_seconds({"S": "0"}, "S", 10)
+    Traceback (most recent call last):
+    ...
+    core.settings.ConfigError: S must be a number of seconds above 0, not '0'
+    """
+    text = env.get(name, "").strip() or str(default)
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise ConfigError(f"{name} must be a number of seconds above 0, not {text!r}")
+    return value
+
+
 def _whole_number(env: Mapping[str, str], name: str, default: int) -> int:
     """A setting of 0 or more.
 
@@ -102,6 +123,9 @@ class Settings:
     # How long the local Prefect API kept by `tollgate flows run` outlives its last request
     # (`flows.prefect_api`); 0: none is kept.
     prefect_api_idle_seconds: int = 600
+    # How long a request waits for the writer's answer before it is answered 503
+    # STORAGE.UNAVAILABLE with Retry-After (`warehouse.writer.WriterClient`).
+    writer_deadline_seconds: float = 10.0
 
     @staticmethod
     def from_env(data_dir: str | os.PathLike[str] | None = None, host: str | None = None,
@@ -120,6 +144,7 @@ class Settings:
             schedule_seconds=env.get("TOLLGATE_SCHEDULE_SECONDS", ""),
             flow_memory_limit=env.get("TOLLGATE_FLOW_MEMORY_LIMIT") or "1GB",
             prefect_api_idle_seconds=_whole_number(env, "TOLLGATE_PREFECT_API_IDLE_SECONDS", 600),
+            writer_deadline_seconds=_positive_seconds(env, "TOLLGATE_WRITER_DEADLINE_SECONDS", 10.0),
         )
 
     @property

@@ -18,6 +18,13 @@ rebuilds the in-memory state from the file.
 
 Wire: frames of a 4-byte big-endian length and a msgpack body. Request `[id, op]`, reply
 `[id, ok, value]` where value is the result, or on failure `{status, code, message, ...}`.
+A request the writer cannot decode is answered with a 500 when its id can be read, and
+skipped (logged) when not: a bad frame never ends the writer.
+
+The client gives every op a deadline: an op still unanswered after it fails with 503
+`STORAGE.UNAVAILABLE`, and its late reply, if one comes, is dropped. When the writer's end
+closes, every op in flight fails at once the same way and `lost` completes (the service's
+runtime then starts a new writer, `api.runtime`).
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import msgspec
 from core.clock import SYSTEM_CLOCK, Clock
 from warehouse.journal import DirectStore, JournaledStore
 
-__all__ = ["Handler", "RemoteFailure", "Transaction", "WriterClient", "run_writer"]
+__all__ = ["Handler", "RemoteFailure", "Transaction", "WriterClient", "run_writer", "unavailable"]
 
 log = logging.getLogger("tollgate.writer")
 _LEN = struct.Struct(">I")
@@ -135,6 +142,22 @@ def _reply_frame(reply: tuple[int, bool, Any]) -> bytes:
         return _frame(_encode((reply[0], False, _failure(exc))))
 
 
+_RID = msgspec.msgpack.Decoder(tuple[int, msgspec.Raw])
+
+
+def _refuse_frame(frame: bytes, exc: Exception, refused: list[tuple[int, bool, Any]]) -> None:
+    """A request frame the writer cannot decode: answered with a 500 when its id can be read
+    (the service's op then fails alone), logged either way; the writer goes on."""
+    try:
+        rid, _ = _RID.decode(frame)
+    except Exception:
+        log.error("dropped a request frame the writer cannot read (%d bytes): %s", len(frame), exc)
+        return
+    log.error("request %d could not be decoded: %s", rid, exc)
+    refused.append((rid, False, {"status": 500, "code": "INTERNAL.ERROR",
+                                 "message": "the writer could not read the request"}))
+
+
 def run_writer(
     store: JournaledStore,
     sock: socket.socket,
@@ -168,11 +191,17 @@ def run_writer(
                     buf += chunk
             except BlockingIOError:
                 pass
-            requests = [decode_request(frame) for frame in _frames(buf)]
-            if requests:
-                replies = _run_group(store, requests, handlers, on_rollback, clock.now())
+            requests: list[tuple[int, Any]] = []
+            refused: list[tuple[int, bool, Any]] = []
+            for frame in _frames(buf):
+                try:
+                    requests.append(decode_request(frame))
+                except Exception as exc:
+                    _refuse_frame(frame, exc, refused)
+            if requests or refused:
+                replies = _run_group(store, requests, handlers, on_rollback, clock.now()) if requests else []
                 sock.setblocking(True)
-                sock.sendall(b"".join(_reply_frame(r) for r in replies))
+                sock.sendall(b"".join(_reply_frame(r) for r in replies + refused))
                 sock.setblocking(False)
                 if after_group is not None:
                     # Work that follows a durable group and must never change its replies
@@ -182,7 +211,12 @@ def run_writer(
                     except Exception:
                         log.exception("after-group step failed")
                 if store.pending_rows >= store.MAX_PENDING_ROWS:
-                    store.materialize_soon()
+                    try:
+                        # It may start a journal segment; if that fails, the rows wait for
+                        # the tick (every reply of the group is sent already).
+                        store.materialize_soon()
+                    except Exception:
+                        log.exception("handing rows to the applier failed")
         if time.monotonic() >= next_tick:
             try:
                 store.materialize_soon()
@@ -222,42 +256,61 @@ def _run_group(store: JournaledStore, requests: list[tuple[int, Any]],
     return replies
 
 
+def unavailable(message: str) -> dict[str, Any]:
+    """The failure of an op the writer did not answer: 503 STORAGE.UNAVAILABLE."""
+    return {"status": 503, "code": "STORAGE.UNAVAILABLE", "message": message}
+
+
 class WriterClient(asyncio.Protocol):
     """The service's end: send ops, await replies. Runs on the service's event loop; replies
     are parsed straight from each chunk the socket delivers (a protocol, not a stream reader
-    awaited twice per frame)."""
+    awaited twice per frame).
 
-    def __init__(self, sock: socket.socket, result_types: dict[type, Any]) -> None:
+    Every op waits at most `deadline_seconds` (and up to a sweep interval more): one timer
+    sweeps the oldest waiting ops, so an op costs a clock reading, not a timer of its own."""
+
+    def __init__(self, sock: socket.socket, result_types: dict[type, Any], *,
+                 deadline_seconds: float = 10.0) -> None:
         self._sock = sock
         self._result_types = result_types
         self._next_id = 1
-        self._waiting: dict[int, tuple[asyncio.Future[Any], Any]] = {}
+        # In id order, so the oldest waiting op is always the first.
+        self._waiting: dict[int, tuple[asyncio.Future[Any], Any, float]] = {}
         self._reply_decoder = msgspec.msgpack.Decoder(tuple[int, bool, msgspec.Raw])
         self._failure_decoder = msgspec.msgpack.Decoder(dict[str, Any])
         self._outgoing: list[bytes] = []
         self._buf = bytearray()
         self._transport: asyncio.Transport | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._deadline = deadline_seconds
+        self._sweep_every = max(0.01, min(0.25, deadline_seconds / 4))
+        self._sweeper: asyncio.TimerHandle | None = None
+        self.late_replies = 0
         self.closed = False
+        # Completes when the writer's end has closed (or this end was closed).
+        self.lost: asyncio.Future[None] | None = None
 
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
+        self.lost = loop.create_future()
         await loop.create_unix_connection(lambda: self, sock=self._sock)
+        self._sweeper = loop.call_later(self._sweep_every, self._sweep)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
 
     async def submit(self, op: Any) -> Any:
         if self.closed:
-            raise RemoteFailure({"status": 503, "code": "STORAGE.UNAVAILABLE",
-                                 "message": "the writer is not running"})
+            raise RemoteFailure(unavailable("the writer is not running (it is being restarted); retry"))
+        loop = self._loop or asyncio.get_running_loop()
         rid = self._next_id
         self._next_id += 1
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._waiting[rid] = (fut, self._result_types[type(op)])
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._waiting[rid] = (fut, self._result_types[type(op)], loop.time())
         # Ops of one turn of the event loop leave in one write: one system call instead of
         # one per request, and the writer reads them as one group.
         if not self._outgoing:
-            asyncio.get_running_loop().call_soon(self._send_outgoing)
+            loop.call_soon(self._send_outgoing)
         self._outgoing.append(_frame(_encode((rid, op))))
         return await fut
 
@@ -266,12 +319,40 @@ class WriterClient(asyncio.Protocol):
         if not self.closed and self._transport is not None:
             self._transport.write(b"".join(frames))
 
+    def _sweep(self) -> None:
+        """Fail every op that has waited past the deadline; its reply, if it comes, is dropped."""
+        assert self._loop is not None
+        waiting = self._waiting
+        if waiting:
+            limit = self._loop.time() - self._deadline
+            expired = 0
+            while waiting:
+                rid = next(iter(waiting))
+                fut, _, sent = waiting[rid]
+                if sent > limit:
+                    break
+                del waiting[rid]
+                expired += 1
+                if not fut.done():
+                    fut.set_exception(RemoteFailure(unavailable(
+                        f"the writer did not answer within {self._deadline:g} s; the request may"
+                        " or may not have been stored: retry")))
+            if expired:
+                log.error("%d ops got no answer from the writer within %g s", expired, self._deadline)
+        if not self.closed:
+            self._sweeper = self._loop.call_later(self._sweep_every, self._sweep)
+
     def data_received(self, data: bytes) -> None:
         buf = self._buf
         buf += data
+        waiting = self._waiting
         for body in _frames(buf):
             rid, ok, raw = self._reply_decoder.decode(body)
-            fut, result_type = self._waiting.pop(rid)
+            entry = waiting.pop(rid, None)
+            if entry is None:  # its op passed the deadline and was answered already
+                self.late_replies += 1
+                continue
+            fut, result_type, _ = entry
             if fut.done():
                 continue
             if ok:
@@ -283,16 +364,22 @@ class WriterClient(asyncio.Protocol):
         if not self.closed:
             log.error("the writer process went away")
         self.closed = True
-        for fut, _ in self._waiting.values():
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        for fut, _, _ in self._waiting.values():
             if not fut.done():
-                fut.set_exception(RemoteFailure({"status": 503, "code": "STORAGE.UNAVAILABLE",
-                                                 "message": "the writer process went away"}))
+                fut.set_exception(RemoteFailure(unavailable(
+                    "the writer process went away; the request may or may not have been stored: retry")))
         self._waiting.clear()
+        if self.lost is not None and not self.lost.done():
+            self.lost.set_result(None)
 
     def eof_received(self) -> bool | None:
         return False  # close the transport: connection_lost fails what is waiting
 
     async def close(self) -> None:
         self.closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         if self._transport is not None:
             self._transport.close()

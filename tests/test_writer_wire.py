@@ -1,0 +1,130 @@
+"""The wire between the service and its writer (warehouse/writer.py): every op has a deadline
+and a late reply is dropped; a dead peer fails what is in flight at once; a request frame the
+writer cannot decode is answered (or skipped) without ending the writer."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+import msgspec
+import pytest
+
+from warehouse.writer import RemoteFailure, WriterClient, run_writer
+
+_LEN = struct.Struct(">I")
+
+
+class Ping(msgspec.Struct, tag=True):
+    n: int
+
+
+def _frame(value: Any) -> bytes:
+    body = msgspec.msgpack.encode(value)
+    return _LEN.pack(len(body)) + body
+
+
+def _read_frames(sock: socket.socket, count: int) -> list[Any]:
+    sock.settimeout(10)
+    found = []
+    for _ in range(count):
+        (size,) = _LEN.unpack(sock.recv(4, socket.MSG_WAITALL))
+        found.append(msgspec.msgpack.decode(sock.recv(size, socket.MSG_WAITALL)))
+    return found
+
+
+def test_an_op_unanswered_past_the_deadline_gets_503_and_its_late_reply_is_dropped() -> None:
+    async def scenario() -> None:
+        ours, peer = socket.socketpair()  # the peer reads and never answers until told
+        client = WriterClient(ours, {Ping: int}, deadline_seconds=0.3)
+        await client.start()
+        began = time.monotonic()
+        with pytest.raises(RemoteFailure) as caught:
+            await client.submit(Ping(1))
+        waited = time.monotonic() - began
+        assert 0.3 <= waited < 1.5
+        assert caught.value.payload["status"] == 503
+        assert caught.value.payload["code"] == "STORAGE.UNAVAILABLE"
+        [request] = await asyncio.to_thread(_read_frames, peer, 1)
+        assert request[0] == 1
+        # The late reply arrives, then the next op's: the first is dropped, the second answers.
+        answer = asyncio.ensure_future(client.submit(Ping(2)))
+        [second] = await asyncio.to_thread(_read_frames, peer, 1)
+        peer.sendall(_frame((1, True, 10)) + _frame((second[0], True, 20)))
+        assert await asyncio.wait_for(answer, 5) == 20
+        assert client.late_replies == 1 and not client.closed
+        await client.close()
+        peer.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_peer_that_goes_away_fails_every_op_in_flight_at_once() -> None:
+    async def scenario() -> None:
+        ours, peer = socket.socketpair()
+        client = WriterClient(ours, {Ping: int}, deadline_seconds=60)
+        await client.start()
+        waiting = [asyncio.ensure_future(client.submit(Ping(n))) for n in range(5)]
+        await asyncio.to_thread(_read_frames, peer, 5)
+        began = time.monotonic()
+        peer.close()
+        results = await asyncio.wait_for(asyncio.gather(*waiting, return_exceptions=True), 5)
+        assert time.monotonic() - began < 2
+        assert all(isinstance(r, RemoteFailure) and r.payload["status"] == 503 for r in results)
+        assert client.closed and client.lost is not None and client.lost.done()
+        with pytest.raises(RemoteFailure):
+            await client.submit(Ping(9))  # at once, while no writer runs
+        await client.close()
+
+    asyncio.run(scenario())
+
+
+class _Store:
+    """What `run_writer` needs of the journaled store, with nothing to store."""
+
+    MAX_PENDING_ROWS = 1_000_000
+    pending_rows = 0
+    conn = None
+
+    def commit(self, rows: dict[str, list[Any]]) -> None:
+        pass
+
+    def materialize_soon(self) -> None:
+        pass
+
+
+class _Double:
+    def apply(self, tx: Any, op: Ping) -> Any:
+        return lambda: op.n * 2
+
+
+def test_a_frame_the_writer_cannot_decode_is_answered_when_it_can_and_the_writer_goes_on() -> None:
+    ours, theirs = socket.socketpair()
+    decoder = msgspec.msgpack.Decoder(tuple[int, Ping])
+    ended: list[BaseException | None] = []
+
+    def writer() -> None:
+        try:
+            run_writer(_Store(), theirs, decoder.decode, {Ping: _Double()},  # type: ignore[arg-type,dict-item]
+                       on_rollback=lambda store: None, tick_seconds=30)
+            ended.append(None)
+        except BaseException as exc:
+            ended.append(exc)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    garbage = b"\xc1\xc1\xc1"  # not msgpack at all: no id to answer
+    ours.sendall(_LEN.pack(len(garbage)) + garbage + _frame((7, {"type": "Nope"})) + _frame((8, Ping(21))))
+    replies = {r[0]: r for r in _read_frames(ours, 2)}
+    assert replies[7][1] is False and replies[7][2]["status"] == 500
+    assert replies[8] == [8, True, 42]
+    ours.sendall(_frame((9, Ping(5))))  # still running
+    assert _read_frames(ours, 1) == [[9, True, 10]]
+    assert thread.is_alive() and ended == []
+    ours.close()  # the service's end closes: the loop returns
+    thread.join(10)
+    assert ended == [None]
