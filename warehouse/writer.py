@@ -145,6 +145,7 @@ def run_writer(
     tick: Callable[[duckdb.DuckDBPyConnection], None] | None = None,
     tick_seconds: float = 0.5,
     after_group: Callable[[JournaledStore], None] | None = None,
+    on_group: Callable[[int, float, bool], None] | None = None,
     clock: Clock = SYSTEM_CLOCK,
 ) -> None:
     """The writer process's loop; returns when the service closes its end of the socket.
@@ -152,7 +153,9 @@ def run_writer(
     `tick` runs every `tick_seconds` between groups (lease expiry and other timed work), on
     the connection, right after the waiting rows were handed to the applier (they may not be
     in the file yet: a tick that reads the file must call `store.reading()`); `after_group`
-    runs after each group's replies are sent."""
+    runs after each group's replies are sent; `on_group` is told each group's number of ops,
+    its time from the first decision to the durable commit (seconds), and whether it
+    committed (the writer's metrics)."""
     buf = bytearray()
     next_tick = time.monotonic() + tick_seconds
     sock.setblocking(False)
@@ -170,7 +173,10 @@ def run_writer(
                 pass
             requests = [decode_request(frame) for frame in _frames(buf)]
             if requests:
-                replies = _run_group(store, requests, handlers, on_rollback, clock.now())
+                began = time.perf_counter()
+                replies, committed = _run_group(store, requests, handlers, on_rollback, clock.now())
+                if on_group is not None:
+                    on_group(len(requests), time.perf_counter() - began, committed)
                 sock.setblocking(True)
                 sock.sendall(b"".join(_reply_frame(r) for r in replies))
                 sock.setblocking(False)
@@ -196,7 +202,7 @@ def run_writer(
 def _run_group(store: JournaledStore, requests: list[tuple[int, Any]],
                handlers: dict[type, Handler],
                on_rollback: Callable[[JournaledStore], None],
-               now: datetime) -> list[tuple[int, bool, Any]]:
+               now: datetime) -> tuple[list[tuple[int, bool, Any]], bool]:
     replies: list[tuple[int, bool, Any]] = []
     pending: list[tuple[int, Callable[[], Any]]] = []
     tx = Transaction(store, now)
@@ -218,8 +224,8 @@ def _run_group(store: JournaledStore, requests: list[tuple[int, Any]],
         on_rollback(store)
         failure = {"status": 503, "code": "STORAGE.UNAVAILABLE",
                    "message": f"the write could not be committed; retry ({exc.__class__.__name__})"}
-        return [(rid, False, failure) for rid, _ in requests]
-    return replies
+        return [(rid, False, failure) for rid, _ in requests], False
+    return replies, True
 
 
 class WriterClient(asyncio.Protocol):
@@ -238,6 +244,22 @@ class WriterClient(asyncio.Protocol):
         self._buf = bytearray()
         self._transport: asyncio.Transport | None = None
         self.closed = False
+
+    @property
+    def queued(self) -> int:
+        """Ops submitted in this process and not yet handed to the socket."""
+        return len(self._outgoing)
+
+    @property
+    def in_flight(self) -> int:
+        """Ops written to the writer and not yet answered."""
+        return len(self._waiting) - len(self._outgoing)
+
+    @property
+    def send_buffer_bytes(self) -> int:
+        """Bytes written but not yet taken by the socket (the writer is not reading)."""
+        transport = self._transport
+        return 0 if transport is None or self.closed else transport.get_write_buffer_size()
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
