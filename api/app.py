@@ -116,5 +116,5 @@ def create_app(settings: Settings, *, on_stop: Sequence[Callable[[], None]] = ()
         "/mgt/v1/events/batch": record_event_batch,
     })
     direct: DirectRoutes = app.asgi_handler
-    app.asgi_handler = Observe(direct, observed, dict(direct.routes))  # type: ignore[assignment]
+    app.asgi_handler = Observe(direct, observed, dict(direct.routes))
     return app

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 
+from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.envelope import request_trace_id
@@ -38,7 +39,7 @@ class Observe:
         self.direct = frozenset(routes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != ScopeType.HTTP:
             await self.app(scope, receive, send)
             return
         began = time.perf_counter()
@@ -65,7 +66,7 @@ class Observe:
             if method == "POST" and path in self.direct:
                 route = path
             else:
-                route = scope.get("path_template") or "unmatched"  # type: ignore[assignment]
+                route = scope.get("path_template") or "unmatched"
             if self.metrics is not None:
                 self.metrics.observe_request(method, route, status, seconds)
             if access.isEnabledFor(logging.INFO):

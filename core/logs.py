@@ -133,7 +133,7 @@ def setup_logging(process: str, fmt: str | None = None, level: str | int | None 
     handler.setFormatter(JsonFormatter(process) if fmt == "json" else TextFormatter(process))
     # No record needs its caller's file and line, thread or process names: skipping the
     # stack walk and the look-ups makes each record (an access line per request) cheaper.
-    logging._srcfile = None  # type: ignore[attr-defined]
+    logging._srcfile = None
     logging.logThreads = False
     logging.logProcesses = False
     logging.logMultiprocessing = False

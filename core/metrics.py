@@ -21,7 +21,7 @@ from prometheus_client.core import GaugeMetricFamily
 __all__ = ["rss_bytes", "rss_family", "write_registry"]
 
 # No `_created` series: they double the lines and, merged across processes, say nothing.
-prometheus_client.disable_created_metrics()
+prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 

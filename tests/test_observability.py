@@ -172,13 +172,14 @@ def test_a_serve_start_logs_json_lines_from_every_process(tmp_path: Path) -> Non
     try:
         deadline = time.monotonic() + 60
         seen: set[str] = set()
-        while time.monotonic() < deadline and not {"http", "writer", "scheduler"} <= seen:
+        while time.monotonic() < deadline and not {"http", "writer", "scheduler", "access"} <= seen:
             assert proc.poll() is None, err.read_text()
             try:
                 httpx.get(f"{svc.base_url}/healthz", timeout=1)
             except httpx.HTTPError:
                 pass
-            seen = {line["process"] for line in log_lines(err)}
+            seen = {"access" if line["logger"] == "tollgate.access" else line["process"]
+                    for line in log_lines(err)}
             time.sleep(0.2)
     finally:
         proc.terminate()
