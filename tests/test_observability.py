@@ -193,3 +193,64 @@ def test_a_serve_start_logs_json_lines_from_every_process(tmp_path: Path) -> Non
         assert LOG_FIELDS <= set(record), record
         assert record["ts"].endswith("Z") and "T" in record["ts"]
     assert any(p["logger"] == "tollgate.access" and "trace_id" in p for p in parsed)
+
+
+@pytest.mark.server
+@pytest.mark.prefect
+def test_the_scheduler_and_the_exporter_report_their_progress(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.conftest import stop_local_prefect_apis
+
+    for name in [k for k in os.environ if k.startswith("PREFECT_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
+    monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    monkeypatch.setenv("TOLLGATE_SCHEDULES", "on")
+    monkeypatch.setenv("TOLLGATE_SCHEDULE_SECONDS", "rate-events=2")
+    svc = make_service(tmp_path / "data")
+    svc.start()
+    try:
+        assert svc.post("/mgt/v1/events", event(), account="acct_events").status_code == 201
+        deadline = time.monotonic() + 120
+        while True:
+            samples = scrape(svc)
+            done = value(samples, "tollgate_flow_runs_total", flow="rate-events", outcome="completed")
+            exported = value(samples, "tollgate_export_rows_total", stream="events")
+            if (done >= 1 and exported >= 1) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert exported == 1
+        assert done >= 1, svc.log_path.read_text()[-3000:] if svc.log_path else ""
+        assert value(samples, "tollgate_flow_last_success_timestamp_seconds", flow="rate-events") > 0
+        assert value(samples, "tollgate_process_resident_memory_bytes", process="scheduler") > 0
+        assert ("tollgate_sweep_lag_seconds", frozenset()) in samples
+        assert value(samples, "tollgate_export_lag_seconds") < 30
+        assert value(samples, "tollgate_export_events_last_timestamp_seconds") > 0
+    finally:
+        svc.stop()
+        stop_local_prefect_apis(tmp_path)
+
+
+def test_metrics_can_be_moved_or_turned_off(tmp_path: Path) -> None:
+    from api.app import create_app
+    from core.settings import Settings
+
+    def paths(metrics: str) -> set[str]:
+        return {route.path for route in create_app(Settings(tmp_path, metrics=metrics)).routes}
+
+    assert "/metrics" in paths("on")
+    assert "/metrics" not in paths("off")
+    assert "/metrics" not in paths("127.0.0.1:9108")  # served on that address instead
+
+
+def test_text_format_is_one_readable_line() -> None:
+    from core.logs import TRACE_ID, TextFormatter
+
+    record = logging.LogRecord("tollgate.access", logging.INFO, "", 0, "request", (), None)
+    record.status = 200
+    token = TRACE_ID.set("t-1")
+    try:
+        line = TextFormatter("http").format(record)
+    finally:
+        TRACE_ID.reset(token)
+    assert line.endswith(" INFO http tollgate.access: request status=200 [trace_id=t-1]"), line
