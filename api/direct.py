@@ -60,8 +60,9 @@ class DirectRoutes:
         await self.app(scope, receive, send)
 
     async def _serve(self, handler: Handler, scope: HTTPScope, receive: Receive, send: Send) -> None:
-        trace = request_trace_id(scope["headers"])
-        scope.setdefault("state", {})["trace_id"] = trace
+        state = scope.setdefault("state", {})
+        trace = state.get("trace_id") or request_trace_id(scope["headers"])
+        state["trace_id"] = trace
         try:
             reply = await handler(DirectRequest(self.litestar, scope, receive))
         except Exception as exc:

@@ -123,7 +123,8 @@ def error_reply(trace_id: str, error: BaseException) -> Reply:
         message = "request body is larger than 16 MiB" if status == 413 else str(error.detail)
         body = _error_body(trace_id, status, code, message)
     else:
-        log.error("unhandled error (trace_id=%s)", trace_id, exc_info=error)
+        log.error("unhandled error (trace_id=%s)", trace_id, exc_info=error,
+                  extra={"trace_id": trace_id})
         status, headers = 500, {}
         body = _error_body(trace_id, 500, "INTERNAL.ERROR", "internal error")
     return Reply(_encode(body), status, headers)
@@ -153,8 +154,9 @@ class TraceIdMiddleware:
         if scope["type"] != ScopeType.HTTP:
             await self.app(scope, receive, send)
             return
-        trace = request_trace_id(scope["headers"])
-        scope.setdefault("state", {})["trace_id"] = trace
+        state = scope.setdefault("state", {})
+        trace = state.get("trace_id") or request_trace_id(scope["headers"])  # api.observe's
+        state["trace_id"] = trace
         raw = trace.encode()
 
         async def send_with_id(message: Message) -> None:

@@ -119,7 +119,14 @@ def run(name: Annotated[str, Parameter(metavar="NAME")], /, *,
     finally:
         quiet.disabled = False
     params["data_dir"] = str(settings.data_dir)
-    _console_without_tracebacks()
+    if settings.log_format:
+        # Asked for (TOLLGATE_LOG_FORMAT): the lines of the service's processes (core.logs),
+        # tracebacks included. Otherwise Prefect's console lines, without tracebacks.
+        from core.logs import setup_logging
+
+        setup_logging("flows-run", settings.log_format)
+    else:
+        _console_without_tracebacks()
     from flows.prefect_api import ApiDidNotStart, flow_api
 
     try:

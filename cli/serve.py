@@ -20,6 +20,7 @@ from cli.call import base_url
 from cli.catalog import apply_catalog
 from cli.shared import CommandError, DataDir, Host, Port
 from core.layout import DataFolder
+from core.logs import setup_logging
 from core.settings import Settings
 
 __all__ = ["serve"]
@@ -43,9 +44,14 @@ def serve(*, host: Host = None, port: Port = None, data_dir: DataDir = None) -> 
     import uvicorn
 
     from api.app import create_app
+    from api.metrics import clear_process_files
     from flows.launcher import FlowScheduler
 
     settings = Settings.from_env(data_dir, host, port)
+    # JSON lines unless TOLLGATE_LOG_FORMAT says text; the writer and the scheduler inherit
+    # the environment, so the same choice reaches them (core.logs).
+    os.environ.setdefault("TOLLGATE_LOG_FORMAT", settings.log_format or "json")
+    setup_logging("http", settings.log_format or "json")
     try:
         settings.folder.create()  # 0700: it holds the service keys and every account's usage
     except OSError as exc:
@@ -72,6 +78,7 @@ def serve(*, host: Host = None, port: Port = None, data_dir: DataDir = None) -> 
     # writer; they read and write the lake only. The app stops them as it shuts down
     # (uvicorn ends this process by the signal that stopped it, so the `finally` below is
     # not sure to run).
+    clear_process_files(settings.folder.metrics)  # an earlier service's writer and scheduler
     scheduler = FlowScheduler.start(settings)
     app = create_app(settings, on_stop=[scheduler.stop])
     _banner(settings)
@@ -79,7 +86,9 @@ def serve(*, host: Host = None, port: Port = None, data_dir: DataDir = None) -> 
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port, loop="uvloop",
                             http=http_protocol(), lifespan="on", log_level="warning",
-                            access_log=False, timeout_keep_alive=30, proxy_headers=False)
+                            log_config=None,  # uvicorn's records go through core.logs
+                            access_log=False,  # api/observe.py writes the access log
+                            timeout_keep_alive=30, proxy_headers=False)
     server = uvicorn.Server(config)
     runtime = app.state.runtime
     # A writer that cannot be kept running (it refused its journal, or ended too often) stops

@@ -12,6 +12,8 @@
     reports/             usage reports as Parquet, written by publish-usage-reports;
                          `charts/` its usage charts, one PNG per account and month
     .serve.lock          held by the one `tollgate serve` of this folder
+    metrics/             `writer.prom` and `scheduler.prom`: those processes' Prometheus
+                         metrics, rewritten as they change, served by the HTTP process
     prefect-api.json     the address of the folder's local Prefect API (`flows.prefect_api`);
                          `prefect-api.log` its output, `.prefect-api.lock` held while one starts
 
@@ -98,6 +100,10 @@ class DataFolder:
     @property
     def serve_lock(self) -> Path:
         return self.root / ".serve.lock"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics"
 
     @property
     def prefect_api(self) -> Path:

@@ -15,6 +15,9 @@ them see the same settings.
 | TOLLGATE_FLOW_MEMORY_LIMIT        | 1GB          | DuckDB's memory limit in a flow            |
 | TOLLGATE_PREFECT_API_IDLE_SECONDS | 600          | when the Prefect API `flows run` keeps stops (`flows.prefect_api`); 0: none kept |
 | TOLLGATE_WRITER_DEADLINE_SECONDS  | 10           | how long a request waits for the writer before its 503 (`api.runtime`) |
+| TOLLGATE_LOG_FORMAT               | json under `serve`, else text | `json` (one JSON object a line) or `text` (`core.logs`) |
+| TOLLGATE_LOG_LEVEL                | INFO         | the lowest level logged                    |
+| TOLLGATE_METRICS                  | on           | Prometheus metrics: `on` (GET /metrics on the API's address), `off`, or `HOST:PORT` (a listener of their own) |
 """
 
 from __future__ import annotations
@@ -84,6 +87,45 @@ def _positive_seconds(env: Mapping[str, str], name: str, default: float) -> floa
     if not 0 < value < float("inf"):
         raise ConfigError(f"{name} must be a number of seconds above 0, not {text!r}")
     return value
+def _log_format(env: Mapping[str, str]) -> str:
+    """TOLLGATE_LOG_FORMAT: json, text, or empty (the process's default).
+
+    >>> _log_format({"TOLLGATE_LOG_FORMAT": "Text"})
+    'text'
+    >>> _log_format({"TOLLGATE_LOG_FORMAT": "xml"})
+    Traceback (most recent call last):
+    ...
+    core.settings.ConfigError: TOLLGATE_LOG_FORMAT must be json or text, not 'xml'
+    """
+    text = env.get("TOLLGATE_LOG_FORMAT", "").strip().lower()
+    if text not in ("", "json", "text"):
+        raise ConfigError(f"TOLLGATE_LOG_FORMAT must be json or text, not {text!r}")
+    return text
+
+
+def _metrics(env: Mapping[str, str]) -> str:
+    """TOLLGATE_METRICS: on, off or HOST:PORT.
+
+    >>> _metrics({}), _metrics({"TOLLGATE_METRICS": "no"}), _metrics({"TOLLGATE_METRICS": ":9108"})
+    ('on', 'off', ':9108')
+    >>> _metrics({"TOLLGATE_METRICS": "somewhere"})
+    Traceback (most recent call last):
+    ...
+    core.settings.ConfigError: TOLLGATE_METRICS must be on, off or HOST:PORT, not 'somewhere'
+    """
+    text = env.get("TOLLGATE_METRICS", "on").strip().lower()
+    if text in _ON:
+        return "on"
+    if text in _OFF:
+        return "off"
+    host, sep, port = text.rpartition(":")
+    if sep:
+        try:
+            parse_port(port)
+            return text
+        except ConfigError:
+            pass
+    raise ConfigError(f"TOLLGATE_METRICS must be on, off or HOST:PORT, not {text!r}")
 
 
 def _whole_number(env: Mapping[str, str], name: str, default: int) -> int:
@@ -126,6 +168,10 @@ class Settings:
     # How long a request waits for the writer's answer before it is answered 503
     # STORAGE.UNAVAILABLE with Retry-After (`warehouse.writer.WriterClient`).
     writer_deadline_seconds: float = 10.0
+    # TOLLGATE_LOG_FORMAT: "json", "text", or "" for the process's default (`core.logs`).
+    log_format: str = ""
+    # TOLLGATE_METRICS: "on", "off" or "HOST:PORT" (see `metrics_address`).
+    metrics: str = "on"
 
     @staticmethod
     def from_env(data_dir: str | os.PathLike[str] | None = None, host: str | None = None,
@@ -145,7 +191,27 @@ class Settings:
             flow_memory_limit=env.get("TOLLGATE_FLOW_MEMORY_LIMIT") or "1GB",
             prefect_api_idle_seconds=_whole_number(env, "TOLLGATE_PREFECT_API_IDLE_SECONDS", 600),
             writer_deadline_seconds=_positive_seconds(env, "TOLLGATE_WRITER_DEADLINE_SECONDS", 10.0),
+            log_format=_log_format(env),
+            metrics=_metrics(env),
         )
+
+    @property
+    def metrics_on(self) -> bool:
+        return self.metrics != "off"
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """Where /metrics listens when not on the API's own address; None: on the API's.
+
+        >>> Settings(Path("."), metrics="0.0.0.0:9108").metrics_address
+        ('0.0.0.0', 9108)
+        >>> Settings(Path(".")).metrics_address is None
+        True
+        """
+        if self.metrics in ("on", "off"):
+            return None
+        host, _, port = self.metrics.rpartition(":")
+        return host.strip("[]"), int(port)
 
     @property
     def folder(self) -> DataFolder:

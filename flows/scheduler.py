@@ -34,6 +34,7 @@ from types import FrameType
 
 from core.clock import SYSTEM_CLOCK, Clock
 from core.layout import keep_private
+from core.logs import setup_logging
 from core.schedules import SCHEDULED, Deployment, scheduled_with_overrides
 from core.settings import Settings
 from flows import flow_named
@@ -105,10 +106,75 @@ def _stopped(exc: BaseException) -> bool:
     return False
 
 
+# The flows that start with a rating sweep: their start is the sweep lag's reference.
+SWEEPING = frozenset({"rate-events", "close-aggregate-days"})
+
+
+class SchedulerMetrics:
+    """The scheduler's metrics, written to `metrics/scheduler.prom` (`core.metrics`) after
+    each flow run and every 15 s: runs per flow and outcome, their time, the last success,
+    when the last successful sweep started, and this process's memory."""
+
+    def __init__(self, path: Path) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        from prometheus_client.registry import Collector
+
+        from core.metrics import rss_family
+
+        self.path = path
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.runs = Counter("tollgate_flow_runs", "Scheduled flow runs, per flow and outcome",
+                            ["flow", "outcome"], registry=self.registry)
+        self.seconds = Histogram("tollgate_flow_run_seconds", "Time of a scheduled flow run",
+                                 ["flow"], registry=self.registry,
+                                 buckets=(0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600))
+        self.last_success = Gauge("tollgate_flow_last_success_timestamp_seconds",
+                                  "When each flow last completed (Unix time)", ["flow"],
+                                  registry=self.registry)
+        self.sweep_started = Gauge("tollgate_sweep_last_start_timestamp_seconds",
+                                   "When the last rating sweep that completed started (Unix time;"
+                                   " the scheduler's start until one has)", registry=self.registry)
+        self.sweep_started.set(time.time())
+
+        class _Memory(Collector):
+            def collect(self):  # type: ignore[no-untyped-def]
+                yield rss_family("scheduler")
+
+        self.registry.register(_Memory())
+        self._lock = threading.Lock()
+
+    def ran(self, flow: str, began: float, seconds: float, outcome: str) -> None:
+        self.runs.labels(flow, outcome).inc()
+        self.seconds.labels(flow).observe(seconds)
+        if outcome == "completed":
+            self.last_success.labels(flow).set(time.time())
+            if flow in SWEEPING:
+                self.sweep_started.set(began)
+        self.write()
+
+    def write(self) -> None:
+        from core.metrics import write_registry
+
+        with self._lock:
+            try:
+                write_registry(self.registry, self.path)
+            except OSError:
+                log.warning("could not write the scheduler's metrics", exc_info=True)
+
+    def keep_writing(self, every: float = 15.0) -> None:
+        def loop() -> None:
+            while not _STOP.wait(every):
+                self.write()
+
+        self.write()
+        threading.Thread(target=loop, name="metrics", daemon=True).start()
+
+
 def run_schedule(data_dir: Path, schedule: Sequence[Deployment] = SCHEDULED,
-                 clock: Clock = SYSTEM_CLOCK) -> None:
+                 clock: Clock = SYSTEM_CLOCK, metrics: SchedulerMetrics | None = None) -> None:
     """Run the flows on their schedules until the process is told to stop."""
     start = time.monotonic()
+    log.info("schedules: %s", ", ".join(f"{d.flow} {d.describe()}" for d in schedule))
     due = {d.flow: start + d.seconds_to_next(clock.now()) for d in schedule}
     by_name = {d.flow: d for d in schedule}
     while True:
@@ -116,19 +182,25 @@ def run_schedule(data_dir: Path, schedule: Sequence[Deployment] = SCHEDULED,
         if _STOP.wait(max(0.0, due[name] - time.monotonic())):
             log.info("stopped by the service")
             _leave()
+        began, began_mono, outcome = time.time(), time.monotonic(), "failed"
         try:
             with flow_api(data_dir, owned=True):
                 flow_named(name)(data_dir=str(data_dir))
+            outcome = "completed"
         except BaseException as exc:
             # Prefect's TerminationSignal is a BaseException: bare when the signal came
             # while the flow ran Python (the sweep's carry), inside a DuckDB error when it
             # came during a query.
             if _stopped(exc):
+                outcome = "stopped"
                 log.info("flow %s stopped by a signal; its work is left to the next run", name)
                 _leave()
             if not isinstance(exc, Exception):
                 raise
             log.exception("flow %s failed; next try at its next time", name)
+        finally:
+            if metrics is not None and outcome != "stopped":
+                metrics.ran(name, began, time.monotonic() - began_mono, outcome)
         deployment = by_name[name]
         if deployment.daily_at is None:
             due[name] = max(due[name] + deployment.seconds_to_next(clock.now()), time.monotonic())
@@ -151,11 +223,16 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _exit)
     if args.stop_on_eof:
         threading.Thread(target=_stop_on_eof, name="stop-on-eof", daemon=True).start()
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
-    for chatty in ("httpx", "httpcore"):  # a line per request to Prefect's API, every minute
-        logging.getLogger(chatty).setLevel(logging.WARNING)
     settings = Settings.from_env(args.data_dir)
-    run_schedule(settings.data_dir, scheduled_with_overrides(settings.schedule_seconds))
+    # After Prefect's import, which installs its console handler on the root logger: this
+    # replaces it, and the flow runs' records reach the JSON lines too (core.logs).
+    setup_logging("scheduler", settings.log_format or None)
+    metrics = None
+    if settings.metrics_on:
+        metrics = SchedulerMetrics(settings.folder.metrics / "scheduler.prom")
+        metrics.keep_writing()
+    run_schedule(settings.data_dir, scheduled_with_overrides(settings.schedule_seconds),
+                 metrics=metrics)
     return 0
 
 

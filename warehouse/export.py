@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -104,6 +105,12 @@ class LakeExporter:
         self._reconciled: set[str] = set()
         self._runs_recorded: set[str] = set()
         self._labels_select: str | None = None
+        # For the writer's metrics (read from the writer's thread; plain values, no lock).
+        self.rows_exported = {s: 0 for s in STREAMS}
+        self.rows_behind = {s: 0 for s in STREAMS}  # left for later rounds by the last one
+        self.failures = 0
+        self.caught_up_at = time.time()  # start of the last round that left nothing behind
+        self.events_exported_at = 0.0  # when the last round that shipped events committed
 
     # ---- one round -------------------------------------------------------------------
     def export_once(self, op_conn: duckdb.DuckDBPyConnection) -> dict[str, int]:
@@ -111,6 +118,7 @@ class LakeExporter:
         try:
             return self._round(op_conn)
         except BaseException:
+            self.failures += 1
             # Whatever failed, the lake may now hold an export the file does not know of:
             # reconcile every stream before the next write, on a fresh lake connection.
             self._reconciled.clear()
@@ -126,6 +134,7 @@ class LakeExporter:
             self._lake = None
 
     def _round(self, op_conn: duckdb.DuckDBPyConnection) -> dict[str, int]:
+        began = time.time()
         lake = self._lake_connection()
         marks = self._read_watermarks(op_conn)
         for stream in STREAMS:
@@ -136,13 +145,26 @@ class LakeExporter:
         self.behind = any(b.full for b in batches)
         counts = {s: 0 for s in STREAMS}
         if not batches:
+            self.caught_up_at = began
+            self.rows_behind = dict(counts)
             return counts
         labels_select = self._labels_query(op_conn)
         now = self.clock.now()
         with_lake_retry(lambda: self._write_lake(lake, batches, labels_select, now))
         self._advance_watermarks(op_conn, batches, now)
+        behind = dict(counts)
         for batch in batches:
             counts[batch.stream] = batch.rows.num_rows
+            self.rows_exported[batch.stream] += batch.rows.num_rows
+            if batch.stream == "events":
+                self.events_exported_at = time.time()
+            if batch.full:  # only then is a count worth its query
+                row = op_conn.execute(f"SELECT count(*) FROM {batch.stream} WHERE seq > ?",
+                                      [batch.to_seq]).fetchone()
+                behind[batch.stream] = int(row[0]) if row else 0
+        self.rows_behind = behind
+        if not self.behind:
+            self.caught_up_at = began
         return counts
 
     # ---- the operational side -------------------------------------------------------
@@ -361,15 +383,19 @@ class LakeExporter:
 
 def run_exporter_thread(op_conn: duckdb.DuckDBPyConnection, data_dir: Path,
                         stop: threading.Event, interval: float = 1.0,
-                        batch_rows: int = BATCH_ROWS) -> threading.Thread:
+                        batch_rows: int = BATCH_ROWS,
+                        exporter: LakeExporter | None = None) -> threading.Thread:
     """Start exporting in a thread of its own until `stop` is set (then last rounds until
     the lake holds everything the file does, or a round fails).
 
     Call it from the thread that owns `op_conn`, before that thread starts using it: the
     cursor made here is a separate connection to the same database, used only by the new
-    thread. Failures are logged and retried with a growing pause (at most 30 s)."""
+    thread. Failures are logged and retried with a growing pause (at most 30 s). `exporter`,
+    when given, is the one used (its counters feed the writer's metrics)."""
     cursor = op_conn.cursor()
-    exporter = LakeExporter(data_dir, batch_rows=batch_rows)
+    if exporter is None:
+        exporter = LakeExporter(data_dir, batch_rows=batch_rows)
+    shipper = exporter
 
     def loop() -> None:
         run_in_background()
@@ -379,11 +405,11 @@ def run_exporter_thread(op_conn: duckdb.DuckDBPyConnection, data_dir: Path,
                 stopping = stop.is_set()
                 more_waiting = False  # stays False when the round fails
                 try:
-                    counts = exporter.export_once(cursor)
+                    counts = shipper.export_once(cursor)
                     if any(counts.values()):
                         log.debug("exported %s", counts)
-                    more_waiting = exporter.behind
-                    pause = 0.0 if exporter.behind else interval
+                    more_waiting = shipper.behind
+                    pause = 0.0 if shipper.behind else interval
                 except Exception:
                     log.exception("lake export failed; retrying")
                     pause = min(max(pause, interval) * 2, 30.0)
@@ -394,7 +420,7 @@ def run_exporter_thread(op_conn: duckdb.DuckDBPyConnection, data_dir: Path,
                     return
                 stop.wait(pause)
         finally:
-            exporter.close()
+            shipper.close()
             try:
                 cursor.close()
             except duckdb.Error:

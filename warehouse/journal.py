@@ -101,7 +101,7 @@ class Journal:
         if created and not prefill:
             sync_dir(path.parent)  # the new name survives a power loss, not only a kill
 
-    def append(self, seq: int, tables: dict[str, list[tuple[Any, ...]]]) -> None:
+    def append(self, seq: int, tables: dict[str, list[tuple[Any, ...]]]) -> int:
         """Write one group and sync it; on failure its bytes are taken back (zeros where the
         file was prefilled, cut where it grew). If even that fails, the journal is `broken`
         and refuses every later group (503s until a restart, whose recovery reads what the
@@ -121,6 +121,7 @@ class Journal:
             raise
         self._size = at + len(record)
         self._length = max(self._length, self._size)
+        return len(record)
 
     def _take_back(self, at: int, size: int) -> None:
         try:
@@ -233,7 +234,7 @@ class _Batch:
     """Rows handed to the applier: every group up to `seq`, the journal segments that hold
     exactly those groups, and deferred rows."""
 
-    __slots__ = ("tables", "seq", "segments", "deferred")
+    __slots__ = ("tables", "seq", "segments", "deferred", "journaled_bytes")
 
     def __init__(self, tables: dict[str, list[tuple[Any, ...]]], seq: int, segments: list[Journal],
                  deferred: dict[str, list[tuple[Any, ...]]]) -> None:
@@ -241,6 +242,7 @@ class _Batch:
         self.seq = seq
         self.segments = segments
         self.deferred = deferred
+        self.journaled_bytes = 0  # the store's journaled bytes when it was taken
 
 
 class JournaledStore:
@@ -270,6 +272,11 @@ class JournaledStore:
         self._pending: dict[str, list[tuple[Any, ...]]] = {}
         self._pending_rows = 0
         self._deferred: dict[str, list[tuple[Any, ...]]] = {}
+        # For the writer's metrics: journal bytes appended by this process, those known to
+        # be in the file (their difference is the backlog), and failed applies.
+        self.journaled_bytes = 0
+        self.applied_bytes = 0
+        self.apply_failures = 0
         row = conn.execute("SELECT coalesce(max(applied_seq), 0) FROM journal_state").fetchone()
         self.applied_seq = int(row[0]) if row else 0
         self.seq = self.applied_seq
@@ -364,7 +371,7 @@ class JournaledStore:
             if table != "events" and any(out_of_range(row) for row in rows):  # events: checked at ingest
                 raise ValueError(f"a {table} row holds an integer beyond BIGINT")
         seq = self.seq + 1
-        self.journal.append(seq, tables)
+        self.journaled_bytes += self.journal.append(seq, tables)
         self.seq = seq
         self._merge(tables)
 
@@ -411,6 +418,7 @@ class JournaledStore:
         else:
             batch = _Batch(self._pending, self.seq, closed, self._deferred)
         self._pending, self._pending_rows, self._deferred = {}, 0, {}
+        batch.journaled_bytes = self.journaled_bytes
         return batch
 
     def _settle(self) -> None:
@@ -419,6 +427,7 @@ class JournaledStore:
             self._thread = None
         if self._done is not None:
             self.applied_seq = max(self.applied_seq, self._done.seq)
+            self.applied_bytes = max(self.applied_bytes, self._done.journaled_bytes)
             self._done = None
 
     def materialize_soon(self) -> None:
@@ -445,6 +454,7 @@ class JournaledStore:
             log.exception("applying %d journaled groups to the file failed; retrying later",
                           batch.seq - self.applied_seq)
             self._failed = (batch, exc)
+            self.apply_failures += 1
             return
         self._done = batch
 
@@ -501,8 +511,10 @@ class JournaledStore:
             self._apply(self.conn, batch)
         except BaseException as exc:
             self._failed = (batch, exc)
+            self.apply_failures += 1
             raise
         self.applied_seq = batch.seq
+        self.applied_bytes = max(self.applied_bytes, batch.journaled_bytes)
 
     def reading(self) -> duckdb.DuckDBPyConnection:
         """The connection, with every durable group applied: for reads of the file."""

@@ -168,6 +168,7 @@ def run_writer(
     tick: Callable[[duckdb.DuckDBPyConnection], None] | None = None,
     tick_seconds: float = 0.5,
     after_group: Callable[[JournaledStore], None] | None = None,
+    on_group: Callable[[int, float, bool], None] | None = None,
     clock: Clock = SYSTEM_CLOCK,
 ) -> None:
     """The writer process's loop; returns when the service closes its end of the socket.
@@ -175,7 +176,9 @@ def run_writer(
     `tick` runs every `tick_seconds` between groups (lease expiry and other timed work), on
     the connection, right after the waiting rows were handed to the applier (they may not be
     in the file yet: a tick that reads the file must call `store.reading()`); `after_group`
-    runs after each group's replies are sent."""
+    runs after each group's replies are sent; `on_group` is told each group's number of ops,
+    its time from the first decision to the durable commit (seconds), and whether it
+    committed (the writer's metrics)."""
     buf = bytearray()
     next_tick = time.monotonic() + tick_seconds
     sock.setblocking(False)
@@ -199,7 +202,12 @@ def run_writer(
                 except Exception as exc:
                     _refuse_frame(frame, exc, refused)
             if requests or refused:
-                replies = _run_group(store, requests, handlers, on_rollback, clock.now()) if requests else []
+                replies: list[Any] = []
+                if requests:
+                    began = time.perf_counter()
+                    replies, committed = _run_group(store, requests, handlers, on_rollback, clock.now())
+                    if on_group is not None:
+                        on_group(len(requests), time.perf_counter() - began, committed)
                 sock.setblocking(True)
                 sock.sendall(b"".join(_reply_frame(r) for r in replies + refused))
                 sock.setblocking(False)
@@ -230,7 +238,7 @@ def run_writer(
 def _run_group(store: JournaledStore, requests: list[tuple[int, Any]],
                handlers: dict[type, Handler],
                on_rollback: Callable[[JournaledStore], None],
-               now: datetime) -> list[tuple[int, bool, Any]]:
+               now: datetime) -> tuple[list[tuple[int, bool, Any]], bool]:
     replies: list[tuple[int, bool, Any]] = []
     pending: list[tuple[int, Callable[[], Any]]] = []
     tx = Transaction(store, now)
@@ -252,8 +260,8 @@ def _run_group(store: JournaledStore, requests: list[tuple[int, Any]],
         on_rollback(store)
         failure = {"status": 503, "code": "STORAGE.UNAVAILABLE",
                    "message": f"the write could not be committed; retry ({exc.__class__.__name__})"}
-        return [(rid, False, failure) for rid, _ in requests]
-    return replies
+        return [(rid, False, failure) for rid, _ in requests], False
+    return replies, True
 
 
 def unavailable(message: str) -> dict[str, Any]:
@@ -289,6 +297,22 @@ class WriterClient(asyncio.Protocol):
         self.closed = False
         # Completes when the writer's end has closed (or this end was closed).
         self.lost: asyncio.Future[None] | None = None
+
+    @property
+    def queued(self) -> int:
+        """Ops submitted in this process and not yet handed to the socket."""
+        return len(self._outgoing)
+
+    @property
+    def in_flight(self) -> int:
+        """Ops written to the writer and not yet answered."""
+        return len(self._waiting) - len(self._outgoing)
+
+    @property
+    def send_buffer_bytes(self) -> int:
+        """Bytes written but not yet taken by the socket (the writer is not reading)."""
+        transport = self._transport
+        return 0 if transport is None or self.closed else transport.get_write_buffer_size()
 
     async def start(self) -> None:
         loop = self._loop = asyncio.get_running_loop()

@@ -25,16 +25,18 @@ import msgspec
 from core.clock import SYSTEM_CLOCK
 from core.constants import WRITER_JOURNAL_REFUSED
 from core.layout import DataFolder, keep_private
+from core.logs import setup_logging
 from core.settings import Settings
 from pipelines.catalog import Catalog, CatalogInvalid, load_catalog
 from warehouse.catalog_store import CatalogStore
-from warehouse.export import run_exporter_thread
+from warehouse.export import LakeExporter, run_exporter_thread
 from warehouse.journal import JournalCorrupt, JournaledStore
 from warehouse.operational import open_operational, schema_version
 from warehouse.outbox import EventOutbox
 from warehouse.writer import run_writer
 from writer.events.ingest import IngestHandler
 from writer.gate.book import GateBook
+from writer.metrics import WriterMetrics
 from writer.ops import (
     OPS,
     AuthorizeOp,
@@ -118,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     # dying here first would skip that. (A dead service still takes this process with it.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
     settings = Settings.from_env(args.data_dir)
+    setup_logging("writer", settings.log_format or None)
     folder = settings.folder
     sock = socket.socket(fileno=args.fd)
     conn = open_operational(folder.operational)
@@ -181,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
             rate_singles(RATE_STEP)
 
     ticks = 0
+    exporter = LakeExporter(settings.data_dir)
+    metrics = WriterMetrics(store, folder.metrics / "writer.prom", exporter) \
+        if settings.metrics_on else None
 
     def tick(c: Any) -> None:
         nonlocal ticks
@@ -190,6 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         gate.expire_due(c)
         if ticks % 600 == 0:
             gate.forget_old()
+        if metrics is not None:
+            try:
+                metrics.write()
+            except Exception:
+                if ticks % 240 == 1:  # once a minute at most
+                    log.exception("could not write the writer's metrics")
 
     decoder = msgspec.msgpack.Decoder(tuple[int, OPS])
 
@@ -202,17 +213,20 @@ def main(argv: list[str] | None = None) -> int:
     gc.freeze()
     hello = msgspec.msgpack.encode({"ready": True, "schema_version": schema_version(conn),
                                     "events": len(outbox)})
+    log.info("writer ready: schema version %d, %d events, journal group %d",
+             schema_version(conn), len(outbox), store.seq)
     sock.sendall(len(hello).to_bytes(4, "big") + hello)
     # The lake export runs beside the writer loop on a cursor of its own, so lake commits
     # never hold up a group.
     stop = threading.Event()
-    exporter = run_exporter_thread(conn, settings.data_dir, stop)
+    exporter_thread = run_exporter_thread(conn, settings.data_dir, stop, exporter=exporter)
     run_writer(store, sock, decode_request, handlers, on_rollback=rebuild, tick=tick, clock=clock,
-               after_group=after_group, tick_seconds=0.25)
+               after_group=after_group, tick_seconds=0.25,
+               on_group=metrics.on_group if metrics is not None else None)
     rate_singles()  # what the last tick did not reach
     store.close()  # everything into the file first, so the exporter's last round ships it
     stop.set()
-    exporter.join(timeout=5)
+    exporter_thread.join(timeout=5)
     conn.close()
     return 0
 

@@ -1,0 +1,158 @@
+"""GET /metrics: the service's Prometheus metrics, of all three processes, in one answer.
+
+Unauthenticated, like /healthz (it names routes and sizes, no realm, account or key);
+TOLLGATE_METRICS moves it to an address of its own or turns it off (`core.settings`).
+
+The HTTP process counts every request (`observe_request`, called by `api.observe` for
+Litestar's routes and the direct ones alike) and adds, at each scrape: its queue to the
+writer, its resident memory, the files the writer and the scheduler write
+(`core.metrics`), the age of the writer's file, and the sweep lag (how long events have
+been in the lake without a rating sweep having started since).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
+from core.metrics import rss_family
+
+if TYPE_CHECKING:
+    from api.runtime import Runtime
+
+__all__ = ["CONTENT_TYPE_LATEST", "HttpMetrics"]
+
+log = logging.getLogger("tollgate.metrics")
+
+REQUEST_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                           2.5, 5.0, 10.0)
+PROCESS_FILES = ("writer.prom", "scheduler.prom")
+
+
+class _ServiceCollector(Collector):
+    """What is read at scrape time: the writer queue, memory, the other processes' files."""
+
+    def __init__(self, owner: HttpMetrics) -> None:
+        self.owner = owner
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        runtime = self.owner.runtime
+        writer = getattr(runtime, "writer", None) if runtime is not None else None
+        if writer is not None:
+            yield GaugeMetricFamily("tollgate_writer_queue_depth",
+                                    "Ops of the HTTP process not yet sent to the writer",
+                                    value=writer.queued)
+            yield GaugeMetricFamily("tollgate_writer_ops_in_flight",
+                                    "Ops sent to the writer and not yet answered",
+                                    value=writer.in_flight)
+            yield GaugeMetricFamily("tollgate_writer_send_buffer_bytes",
+                                    "Bytes for the writer that its socket has not taken yet",
+                                    value=writer.send_buffer_bytes)
+            yield GaugeMetricFamily("tollgate_writer_up", "1 while the writer process is connected",
+                                    value=0 if writer.closed else 1)
+        families["tollgate_process_resident_memory_bytes"] = rss_family("http")
+        folder = self.owner.folder
+        values: dict[str, float] = {}
+        if folder is not None:
+            for name in PROCESS_FILES:
+                path = folder / name
+                try:
+                    text = path.read_text(encoding="utf-8")
+                    modified = path.stat().st_mtime
+                except OSError:
+                    continue
+                try:
+                    parsed = list(text_string_to_metric_families(text))
+                except Exception:
+                    log.warning("unreadable metrics file %s", path.name)
+                    continue
+                if name == "writer.prom":
+                    yield GaugeMetricFamily(
+                        "tollgate_writer_last_tick_age_seconds",
+                        "Seconds since the writer's tick last wrote its metrics (grows while it hangs)",
+                        value=max(0.0, time.time() - modified))
+                for family in parsed:
+                    for sample in family.samples:
+                        if not sample.labels:
+                            values[sample.name] = sample.value
+                    held = families.get(family.name)
+                    if held is None:
+                        families[family.name] = family
+                    else:
+                        held.samples.extend(family.samples)
+        started = values.get("tollgate_sweep_last_start_timestamp_seconds")
+        exported = values.get("tollgate_export_events_last_timestamp_seconds")
+        if started is not None and exported is not None:
+            # Events reached the lake after the last completed sweep started: they have
+            # waited at most this long for a rating.
+            yield GaugeMetricFamily(
+                "tollgate_sweep_lag_seconds",
+                "Seconds since the last completed sweep started, while events exported after"
+                " that start wait for the next (0: none wait)",
+                value=max(0.0, time.time() - started) if exported > started else 0.0)
+        yield from families.values()
+
+
+class HttpMetrics:
+    """The HTTP process's registry and its request metrics."""
+
+    def __init__(self, folder: Path | None = None) -> None:
+        self.runtime: Runtime | None = None
+        self.folder = folder
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.requests = Counter("tollgate_http_requests", "HTTP requests answered, per route and status",
+                                ["method", "route", "status"], registry=self.registry)
+        self.seconds = Histogram("tollgate_http_request_seconds",
+                                 "Time from a request's arrival to its last response byte",
+                                 ["method", "route", "status"], buckets=REQUEST_SECONDS_BUCKETS,
+                                 registry=self.registry)
+        self.registry.register(_ServiceCollector(self))
+        # Per (method, route, status): the two bound children (labels() takes a lock and
+        # builds a tuple every time).
+        self._children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
+
+    def observe_request(self, method: str, route: str, status: int, seconds: float) -> None:
+        key = (method, route, status)
+        children = self._children.get(key)
+        if children is None:
+            labels = (method, route, str(status))
+            children = (self.requests.labels(*labels), self.seconds.labels(*labels))
+            self._children[key] = children
+        children[0].inc()
+        children[1].observe(seconds)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def serve_elsewhere(self, host: str, port: int) -> Any:
+        """Serve the registry on an address of its own (TOLLGATE_METRICS=HOST:PORT)."""
+        from prometheus_client import start_http_server
+
+        server, _thread = start_http_server(port, host, registry=self.registry)
+        log.info("metrics served on %s:%d", host, port)
+        return server
+
+
+def clear_process_files(folder: Path) -> None:
+    """Forget an earlier service's files (`serve` calls this before it starts the others)."""
+    for name in PROCESS_FILES:
+        try:
+            os.unlink(folder / name)
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,102 @@
+"""The writer process's metrics, written to `metrics/writer.prom` on every tick (`core.metrics`).
+
+Gathered here, in the writer: each group's size and time (`run_writer`'s `on_group`), and at
+each write the journal's backlog and apply failures (`JournaledStore`) and the lake export's
+progress (`LakeExporter`). Nothing here is on a reply's path but two histogram observations
+per group.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from core.metrics import rss_family, write_registry
+from warehouse.export import STREAMS, LakeExporter
+from warehouse.journal import JournaledStore
+
+__all__ = ["WriterMetrics"]
+
+GROUP_OPS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+GROUP_SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class _StateCollector(Collector):
+    def __init__(self, owner: WriterMetrics) -> None:
+        self.owner = owner
+
+    def collect(self) -> Iterator[Metric]:
+        store, exporter = self.owner.store, self.owner.exporter
+        yield GaugeMetricFamily("tollgate_journal_backlog_groups",
+                                "Journaled (acknowledged) groups not yet in the operational file",
+                                value=store.seq - store.applied_seq)
+        yield GaugeMetricFamily("tollgate_journal_backlog_bytes",
+                                "Journal bytes written since the last group known to be in the file",
+                                value=max(0, store.journaled_bytes - store.applied_bytes))
+        yield GaugeMetricFamily("tollgate_journal_pending_rows",
+                                "Rows waiting to be handed to the applier thread",
+                                value=store.pending_rows)
+        yield CounterMetricFamily("tollgate_journal_apply_failures",
+                                  "Failed applies of journaled groups to the operational file",
+                                  value=store.apply_failures)
+        yield CounterMetricFamily("tollgate_writer_group_failures",
+                                  "Groups that could not be committed (their ops answered 503)",
+                                  value=self.owner.group_failures)
+        if exporter is not None:
+            now = time.time()
+            yield GaugeMetricFamily("tollgate_export_lag_seconds",
+                                    "Seconds since the lake exporter last had nothing left to ship",
+                                    value=max(0.0, now - exporter.caught_up_at))
+            behind = GaugeMetricFamily("tollgate_export_rows_behind",
+                                       "Rows of the operational file the last export round left behind",
+                                       labels=["stream"])
+            shipped = CounterMetricFamily("tollgate_export_rows",
+                                          "Rows exported to the lake by this writer process",
+                                          labels=["stream"])
+            for stream in STREAMS:
+                behind.add_metric([stream], exporter.rows_behind.get(stream, 0))
+                shipped.add_metric([stream], exporter.rows_exported.get(stream, 0))
+            yield behind
+            yield shipped
+            yield CounterMetricFamily("tollgate_export_failures",
+                                      "Failed lake export rounds (each retried)",
+                                      value=exporter.failures)
+            yield GaugeMetricFamily("tollgate_export_events_last_timestamp_seconds",
+                                    "When events last reached the lake (Unix time; 0: not yet)",
+                                    value=exporter.events_exported_at)
+        yield GaugeMetricFamily("tollgate_writer_last_tick_timestamp_seconds",
+                                "When the writer's tick last ran (Unix time)", value=time.time())
+        yield rss_family("writer")
+
+
+class WriterMetrics:
+    def __init__(self, store: JournaledStore, path: Path,
+                 exporter: LakeExporter | None = None) -> None:
+        self.store = store
+        self.exporter = exporter
+        self.path = path
+        self.group_failures = 0
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.group_ops = Histogram("tollgate_writer_group_ops", "Ops per group commit",
+                                   buckets=GROUP_OPS_BUCKETS, registry=self.registry)
+        self.group_seconds = Histogram(
+            "tollgate_writer_group_seconds",
+            "Time of a group: its ops decided, its rows journaled and synced",
+            buckets=GROUP_SECONDS_BUCKETS, registry=self.registry)
+        self.registry.register(_StateCollector(self))
+        self._observe_ops = self.group_ops.observe
+        self._observe_seconds = self.group_seconds.observe
+
+    def on_group(self, ops: int, seconds: float, committed: bool) -> None:
+        self._observe_ops(ops)
+        self._observe_seconds(seconds)
+        if not committed:
+            self.group_failures += 1
+
+    def write(self) -> None:
+        write_registry(self.registry, self.path)
