@@ -14,6 +14,20 @@ them see the same settings.
 | TOLLGATE_SCHEDULE_SECONDS         | (none)       | intervals, e.g. `rate-events=30`           |
 | TOLLGATE_FLOW_MEMORY_LIMIT        | 1GB          | DuckDB's memory limit in a flow            |
 | TOLLGATE_PREFECT_API_IDLE_SECONDS | 600          | when the Prefect API `flows run` keeps stops (`flows.prefect_api`); 0: none kept |
+
+The HTTP process's limits (docs/api.md, "Limits"), each a positive number:
+
+| environment variable                  | default  | what it limits                                      |
+|---------------------------------------|----------|-----------------------------------------------------|
+| TOLLGATE_MAX_HEADER_BYTES             | 32768    | a request's head (request line and headers): 431    |
+| TOLLGATE_MAX_HEADERS                  | 100      | the number of header lines of a request: 431        |
+| TOLLGATE_HEADER_TIMEOUT_SECONDS       | 10       | from the connection (or a request's first byte) to the end of its head: 408 |
+| TOLLGATE_REQUEST_TIMEOUT_SECONDS      | 60       | from a request's first byte to the end of its body: 408 |
+| TOLLGATE_MAX_BODY_UNSIGNED_BYTES      | 65536    | the body read before the signature is checked; a larger one is authenticated from its head first |
+| TOLLGATE_MAX_BODY_BYTES               | 16777216 | a body (after authentication): 413                  |
+| TOLLGATE_MAX_CONNECTIONS              | 4096     | open connections; past it a new one gets 503 and is closed |
+| TOLLGATE_MAX_NONCE_CHARS              | 128      | the SVC-AUTH nonce: 400 `AUTH.NONCE_TOO_LONG`        |
+| TOLLGATE_MAX_IDEMPOTENCY_KEY_CHARS    | 255      | the Idempotency-Key header: 400 `IDEMPOTENCY.KEY_TOO_LONG` |
 """
 
 from __future__ import annotations
@@ -65,6 +79,26 @@ def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
     return value
 
 
+def _positive_seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    """A duration above 0, in seconds (fractions allowed).
+
+    >>> _positive_seconds({"T": "2.5"}, "T", 10), _positive_seconds({}, "T", 10)
+    (2.5, 10.0)
+    >>> _positive_seconds({"T": "0"}, "T", 10)
+    Traceback (most recent call last):
+    ...
+    core.settings.ConfigError: T must be a number of seconds above 0, not '0'
+    """
+    text = env.get(name, "").strip() or str(default)
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise ConfigError(f"{name} must be a number of seconds above 0, not {text!r}")
+    return value
+
+
 def _whole_number(env: Mapping[str, str], name: str, default: int) -> int:
     """A setting of 0 or more.
 
@@ -93,6 +127,15 @@ class Settings:
     signature_skew_seconds: int = 300
     reload_interval_seconds: float = 1.0
     max_body_bytes: int = 16 * 1024 * 1024
+    # The HTTP process's limits before and after authentication (the table above).
+    max_header_bytes: int = 32 * 1024
+    max_headers: int = 100
+    header_timeout_seconds: float = 10.0
+    request_timeout_seconds: float = 60.0
+    max_body_unsigned_bytes: int = 64 * 1024
+    max_connections: int = 4096
+    max_nonce_chars: int = 128
+    max_idempotency_key_chars: int = 255
     max_batch_items: int = 1000
     # TOLLGATE_SCHEDULES as given, stripped and lower-cased (see `schedules_on`).
     schedules: str = "on"
@@ -120,6 +163,15 @@ class Settings:
             schedule_seconds=env.get("TOLLGATE_SCHEDULE_SECONDS", ""),
             flow_memory_limit=env.get("TOLLGATE_FLOW_MEMORY_LIMIT") or "1GB",
             prefect_api_idle_seconds=_whole_number(env, "TOLLGATE_PREFECT_API_IDLE_SECONDS", 600),
+            max_body_bytes=_positive_int(env, "TOLLGATE_MAX_BODY_BYTES", 16 * 1024 * 1024),
+            max_header_bytes=_positive_int(env, "TOLLGATE_MAX_HEADER_BYTES", 32 * 1024),
+            max_headers=_positive_int(env, "TOLLGATE_MAX_HEADERS", 100),
+            header_timeout_seconds=_positive_seconds(env, "TOLLGATE_HEADER_TIMEOUT_SECONDS", 10),
+            request_timeout_seconds=_positive_seconds(env, "TOLLGATE_REQUEST_TIMEOUT_SECONDS", 60),
+            max_body_unsigned_bytes=_positive_int(env, "TOLLGATE_MAX_BODY_UNSIGNED_BYTES", 64 * 1024),
+            max_connections=_positive_int(env, "TOLLGATE_MAX_CONNECTIONS", 4096),
+            max_nonce_chars=_positive_int(env, "TOLLGATE_MAX_NONCE_CHARS", 128),
+            max_idempotency_key_chars=_positive_int(env, "TOLLGATE_MAX_IDEMPOTENCY_KEY_CHARS", 255),
         )
 
     @property
