@@ -26,8 +26,9 @@ request whose body stalls holds its connection, and the shutdown, for good.
   else 408 `REQUEST.TIMEOUT`.
 - The whole request: its body must have arrived `request_timeout` seconds after its first
   byte, else 408 `REQUEST.TIMEOUT` (the handler reading it sees the client gone).
-- A response sent before its request's body has arrived (a signature refused from the head),
-  and every refusal here, ends the connection: the answer is sent, the sending side shut, and
+- A response sent before its request's body has arrived (a signature refused from the head)
+  says `connection: close`; it and every refusal here end the connection: the answer is
+  sent, the sending side shut, and
   what the client still sends is discarded for at most a second or 1 MiB, then the connection
   is closed. Closing at once would reset it and could destroy the answer in flight.
 - At shutdown, a request still receiving its body is answered 503 `SERVICE.BUSY` and closed
@@ -75,13 +76,21 @@ class _Refused(Exception):
 
 
 class _OneWriteTransport:
-    """A transport that holds a response head until the body, then writes both at once."""
+    """A transport that holds a response head until the body, then writes both at once.
 
-    __slots__ = ("_transport", "_head")
+    With `protocol` (one holding limits) and its `cycle`: a response that starts before its
+    request's body has arrived says `connection: close`, and its connection ends by the
+    protocol's lingering close rather than at once."""
 
-    def __init__(self, transport: Any) -> None:
+    __slots__ = ("_transport", "_head", "_protocol", "_cycle", "_linger")
+
+    def __init__(self, transport: Any, protocol: OneWriteHttpToolsProtocol | None = None,
+                 cycle: Any = None) -> None:
         self._transport = transport
         self._head: bytes | None = None
+        self._protocol = protocol
+        self._cycle = cycle
+        self._linger = False
 
     def write(self, data: bytes) -> None:
         head = self._head
@@ -89,6 +98,14 @@ class _OneWriteTransport:
             self._head = None
             self._transport.write(head + data)
         elif data.startswith(b"HTTP/1.1 ") and not data.startswith(b"HTTP/1.1 100 "):
+            cycle = self._cycle
+            if self._protocol is not None and cycle.more_body:
+                # Answered from the head (a refused signature): the rest of the body is never
+                # read, so the connection cannot carry another request.
+                self._linger = True
+                if cycle.keep_alive:
+                    cycle.keep_alive = False  # uvicorn closes the transport after the body
+                    data = data[:-2] + b"connection: close\r\n\r\n"
             self._head = data  # a response head: wait for its body
         else:
             self._transport.write(data)
@@ -101,10 +118,18 @@ class _OneWriteTransport:
 
     def close(self) -> None:
         self._flush()
-        self._transport.close()
+        if self._linger and self._protocol is not None:
+            self._protocol._linger()
+        else:
+            self._transport.close()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
+
+
+class _Refused(Exception):
+    """Raised in a parser callback to stop the parser; `send_400_response` answers the
+    refusal held in `_refusal` instead of the parser's 400."""
 
 
 class OneWriteHttpToolsProtocol(HttpToolsProtocol):
@@ -277,15 +302,12 @@ class OneWriteHttpToolsProtocol(HttpToolsProtocol):
 
     # ---- one write per response ----------------------------------------------------------
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
-        transport = cycle.transport = _OneWriteTransport(cycle.transport)
+        transport = cycle.transport = _OneWriteTransport(
+            cycle.transport, self if self.limits is not None else None, cycle)
         completed = cycle.on_response
 
         def on_response() -> None:
             transport._flush()  # a response without a body write (HEAD) is complete too
-            if cycle.more_body and self.limits is not None and not self.transport.is_closing():
-                # Answered before its body arrived (refused from the head): the rest of the
-                # body is not read, so the connection cannot carry another request.
-                self._linger()
             completed()
 
         cycle.on_response = on_response
