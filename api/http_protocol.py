@@ -127,11 +127,6 @@ class _OneWriteTransport:
         return getattr(self._transport, name)
 
 
-class _Refused(Exception):
-    """Raised in a parser callback to stop the parser; `send_400_response` answers the
-    refusal held in `_refusal` instead of the parser's 400."""
-
-
 class OneWriteHttpToolsProtocol(HttpToolsProtocol):
     # None: no limits (the class itself); `http_protocol(settings)` makes a subclass with them.
     limits: ClassVar[Limits | None] = None
@@ -269,8 +264,8 @@ class OneWriteHttpToolsProtocol(HttpToolsProtocol):
         head = [STATUS_LINE[error.status]]
         for name, value in self.server_state.default_headers:
             head.extend([name, b": ", value, b"\r\n"])
-        for name, text in error.headers.items():
-            head.extend([name.lower().encode(), b": ", text.encode(), b"\r\n"])
+        for header, text in error.headers.items():
+            head.extend([header.lower().encode(), b": ", text.encode(), b"\r\n"])
         head.append(b"content-type: application/json\r\ncontent-length: %d\r\nx-request-id: %s\r\n"
                     b"connection: close\r\n\r\n" % (len(body), trace.encode()))
         self.transport.write(b"".join(head) + body)
