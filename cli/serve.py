@@ -80,7 +80,8 @@ def serve(*, host: Host = None, port: Port = None, data_dir: DataDir = None) -> 
     _raise_open_files(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, loop="uvloop",
                             http=http_protocol(settings), lifespan="on", log_level="warning",
-                            access_log=False, timeout_keep_alive=30, proxy_headers=False)
+                            access_log=False, timeout_keep_alive=settings.keep_alive_seconds,
+                            proxy_headers=False)
     server = uvicorn.Server(config)
     try:
         server.run(sockets=[sock])

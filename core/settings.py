@@ -23,6 +23,7 @@ The HTTP process's limits (docs/api.md, "Limits"), each a positive number:
 | TOLLGATE_MAX_HEADERS                  | 100      | the number of header lines of a request: 431        |
 | TOLLGATE_HEADER_TIMEOUT_SECONDS       | 10       | from the connection (or a request's first byte) to the end of its head: 408 |
 | TOLLGATE_REQUEST_TIMEOUT_SECONDS      | 60       | from a request's first byte to the end of its body: 408 |
+| TOLLGATE_KEEP_ALIVE_SECONDS           | 30       | how long a connection may idle between requests before it is closed |
 | TOLLGATE_MAX_BODY_UNSIGNED_BYTES      | 65536    | the body read before the signature is checked; a larger one is authenticated from its head first |
 | TOLLGATE_MAX_BODY_BYTES               | 16777216 | a body (after authentication): 413                  |
 | TOLLGATE_MAX_CONNECTIONS              | 4096     | open connections; past it a new one gets 503 and is closed |
@@ -132,6 +133,7 @@ class Settings:
     max_headers: int = 100
     header_timeout_seconds: float = 10.0
     request_timeout_seconds: float = 60.0
+    keep_alive_seconds: int = 30
     max_body_unsigned_bytes: int = 64 * 1024
     max_connections: int = 4096
     max_nonce_chars: int = 128
@@ -168,6 +170,7 @@ class Settings:
             max_headers=_positive_int(env, "TOLLGATE_MAX_HEADERS", 100),
             header_timeout_seconds=_positive_seconds(env, "TOLLGATE_HEADER_TIMEOUT_SECONDS", 10),
             request_timeout_seconds=_positive_seconds(env, "TOLLGATE_REQUEST_TIMEOUT_SECONDS", 60),
+            keep_alive_seconds=_positive_int(env, "TOLLGATE_KEEP_ALIVE_SECONDS", 30),
             max_body_unsigned_bytes=_positive_int(env, "TOLLGATE_MAX_BODY_UNSIGNED_BYTES", 64 * 1024),
             max_connections=_positive_int(env, "TOLLGATE_MAX_CONNECTIONS", 4096),
             max_nonce_chars=_positive_int(env, "TOLLGATE_MAX_NONCE_CHARS", 128),

@@ -203,6 +203,18 @@ def test_a_large_signed_body_is_read_after_its_head_and_its_nonce_is_used_only_o
     _refusal(body, 401, "AUTH.REPLAYED_NONCE")
 
 
+def test_a_chunked_body_is_authenticated_from_its_head_then_read(limited: Service) -> None:
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    raw = json.dumps({"semantic_kind": "activity", "event_type": "chunked.one", "occurred_at": now,
+                      "payload": {"n": time.monotonic_ns()}}).encode()
+    headers = sign_headers(key_id=limited.key.key_id, secret=limited.key.secret, method="POST",
+                           path=EVENTS, body=raw, realm="acme", billing_account_id="acct_prepaid")
+    r = limited.client.post(limited.base_url + EVENTS, headers=headers,
+                            content=iter([raw[:10], raw[10:]]))
+    assert r.request.headers["transfer-encoding"] == "chunked"
+    assert r.status_code == 201, r.text
+
+
 def test_nonce_and_idempotency_key_lengths(limited: Service) -> None:
     body = {"feature_code": "gate.unit", "estimated_quantity_minor": "1"}
     r = limited.post(AUTHORIZE, body, principal="gate-p", nonce="n" * 129)
