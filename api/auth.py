@@ -35,7 +35,7 @@ from api.errors import BadRequest, Forbidden, Unauthorized
 from core.clock import SYSTEM_CLOCK, Clock
 from warehouse.keys import ServiceKey
 
-__all__ = ["AuthContext", "Authenticator", "NonceLog", "content_digest", "sign_headers"]
+__all__ = ["AuthContext", "Authenticator", "NonceLog", "SignedHead", "content_digest", "sign_headers"]
 
 log = logging.getLogger("tollgate.auth")
 
@@ -114,6 +114,13 @@ class _NonceWindow:
         self._seen.add(entry)
         self._order.append((now + self.ttl, entry))
         return True
+
+    def seen(self, key_id: str, nonce: str) -> bool:
+        """Whether the nonce is in force now, without recording it."""
+        now = time.monotonic()
+        while self._order and self._order[0][0] <= now:
+            self._seen.discard(self._order.popleft()[1])
+        return (key_id, nonce) in self._seen
 
     def preload(self, entries: list[tuple[float, str, str]]) -> None:
         """Nonces of an earlier process, (seconds left, key id, nonce): refused until then.
@@ -222,10 +229,25 @@ def _bucket_of(path: Path) -> int | None:
         return None
 
 
+@dataclass(slots=True)
+class SignedHead:
+    """A request whose head passed the signature, `ts` and nonce checks (`verify_head`), its
+    body not yet read: `verify_body` checks the body against the signed Content-Digest."""
+
+    key: ServiceKey
+    key_id: str
+    nonce: str
+    signed_at: datetime
+    realm: str
+
+
 class Authenticator:
-    def __init__(self, skew_seconds: int, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(self, skew_seconds: int, clock: Clock = SYSTEM_CLOCK, *, max_nonce_chars: int = 128,
+                 max_idempotency_key_chars: int = 255) -> None:
         self.skew = skew_seconds
         self.clock = clock
+        self.max_nonce_chars = max_nonce_chars
+        self.max_idempotency_key_chars = max_idempotency_key_chars
         self.keys: dict[str, ServiceKey] = {}
         self._secrets: dict[str, bytes] = {}  # decoded secrets, by the key's base64 text
         # A nonce must be refused for as long as its ts could still pass the skew check.
@@ -238,6 +260,31 @@ class Authenticator:
         self.nonce_log = log
 
     def verify(self, method: str, path: str, headers: dict[str, str], body: bytes) -> AuthContext:
+        """Every check of a request whose body is read, in the documented order: realm header,
+        header format, key id, Content-Digest, signature, `ts`, nonce, key disabled, key's
+        realm."""
+        realm, key_id, sig, ts, nonce, key = self._parse(headers)
+        self._check_digest(headers, body)
+        signed_at = self._check_signature(key, method, path, sig, ts, nonce, headers)
+        return self._accept(SignedHead(key, key_id, nonce, signed_at, realm), headers)
+
+    def verify_head(self, method: str, path: str, headers: dict[str, str]) -> SignedHead:
+        """The checks that need no body, for a body too large to read before the caller has
+        proved they hold the key's secret: the signature covers the declared Content-Digest,
+        so a request nobody signed is refused before its body is read. A nonce already used is
+        refused here too, but none is consumed: `verify_body` does that once the body matches."""
+        realm, key_id, sig, ts, nonce, key = self._parse(headers)
+        signed_at = self._check_signature(key, method, path, sig, ts, nonce, headers)
+        if self._nonces.seen(key_id, nonce):
+            raise Unauthorized("AUTH.REPLAYED_NONCE", "this nonce was already used")
+        return SignedHead(key, key_id, nonce, signed_at, realm)
+
+    def verify_body(self, head: SignedHead, headers: dict[str, str], body: bytes) -> AuthContext:
+        """The rest of `verify` once the body of a `verify_head` request has arrived."""
+        self._check_digest(headers, body)
+        return self._accept(head, headers)
+
+    def _parse(self, headers: dict[str, str]) -> tuple[str, str, str, str, str, ServiceKey]:
         realm = headers.get("x-realm-id")
         if not realm:
             raise BadRequest("AUTH.MISSING_REALM", "the X-Realm-Id header is required")
@@ -246,11 +293,26 @@ class Authenticator:
             raise Unauthorized("AUTH.UNAUTHORIZED",
                                "Authorization must be 'SVC-AUTH keyId=..,sig=..,ts=..,nonce=..,alg=HMAC-SHA256'")
         key_id, sig, ts, nonce = match.groups()
+        if len(nonce) > self.max_nonce_chars:
+            raise BadRequest("AUTH.NONCE_TOO_LONG",
+                             f"the nonce is longer than {self.max_nonce_chars} characters")
+        idem = headers.get("idempotency-key")
+        if idem is not None and len(idem) > self.max_idempotency_key_chars:
+            raise BadRequest("IDEMPOTENCY.KEY_TOO_LONG",
+                             f"Idempotency-Key is longer than {self.max_idempotency_key_chars} characters")
         key = self.keys.get(key_id)
         if key is None:
             raise Unauthorized("AUTH.SERVICE_KEY_NOT_FOUND", "unknown service key")
+        return realm, key_id, sig, ts, nonce, key
+
+    @staticmethod
+    def _check_digest(headers: dict[str, str], body: bytes) -> None:
         if not hmac.compare_digest(headers.get("content-digest", "").encode(), content_digest(body).encode()):
             raise Unauthorized("AUTH.INVALID_SERVICE_SIGNATURE", "Content-Digest does not match the body")
+
+    def _check_signature(self, key: ServiceKey, method: str, path: str, sig: str, ts: str, nonce: str,
+                         headers: dict[str, str]) -> datetime:
+        """The HMAC over the head (the declared Content-Digest included), then `ts`."""
         secret = self._secrets.get(key.secret)
         if secret is None:
             if len(self._secrets) > 1024:
@@ -272,18 +334,24 @@ class Authenticator:
         if abs((self.clock.now() - signed_at).total_seconds()) > self.skew:
             raise Unauthorized("AUTH.STALE_SIGNATURE",
                                f"ts is more than {self.skew} s away from the server clock")
-        if not self._nonces.first_use(key_id, nonce):
+        return signed_at
+
+    def _accept(self, head: SignedHead, headers: dict[str, str]) -> AuthContext:
+        """Consume the nonce (the one place that does), then the key's state."""
+        if not self._nonces.first_use(head.key_id, head.nonce):
             raise Unauthorized("AUTH.REPLAYED_NONCE", "this nonce was already used")
         if self.nonce_log is not None:
             # Refused until its ts fails the skew check: ts + skew, rounded up.
-            self.nonce_log.append(key_id, nonce, math.ceil(signed_at.timestamp()) + self.skew + 1)
+            self.nonce_log.append(head.key_id, head.nonce,
+                                  math.ceil(head.signed_at.timestamp()) + self.skew + 1)
+        key = head.key
         if key.disabled:
             raise Forbidden("AUTH.SERVICE_KEY_DISABLED", "this service key is disabled")
-        if key.realm != realm:
+        if key.realm != head.realm:
             raise Forbidden("AUTH.SERVICE_KEY_REALM_FORBIDDEN", "this service key belongs to another realm")
         return AuthContext(
-            key_id=key_id,
-            realm=realm,
+            key_id=head.key_id,
+            realm=head.realm,
             principal_id=headers.get("x-principal-id") or None,
             billing_account_id=headers.get("x-billing-account-id") or None,
             user_id=headers.get("x-user-id") or None,

@@ -2,7 +2,8 @@
 `api.envelope` turns any of them into the error envelope.
 
     AppError                      (status, code, message, errors[], hints[], headers)
-    ├── BadRequest          400   VALIDATION.MALFORMED_JSON, VALIDATION.MISSING_CONTEXT, AUTH.MISSING_REALM
+    ├── BadRequest          400   VALIDATION.MALFORMED_JSON, VALIDATION.MISSING_CONTEXT, AUTH.MISSING_REALM,
+    │                             AUTH.NONCE_TOO_LONG, IDEMPOTENCY.KEY_TOO_LONG
     ├── Unauthorized        401   AUTH.UNAUTHORIZED, AUTH.SERVICE_KEY_NOT_FOUND, AUTH.INVALID_SERVICE_SIGNATURE,
     │                             AUTH.STALE_SIGNATURE, AUTH.REPLAYED_NONCE
     ├── PaymentRequired     402   QUOTA.EXHAUSTED, BUDGET.EXHAUSTED, FUNDING.INSUFFICIENT
@@ -13,7 +14,9 @@
     ├── Unprocessable       422   VALIDATION.INVALID_INPUT, VALIDATION.BATCH_TOO_LARGE, RESOURCE.NOT_FOUND,
     │                             LEASE.*, FEATURE.METER_NOT_ALLOWED
     ├── RateLimited         429   LIMIT.RATE_EXCEEDED
-    └── ServiceUnavailable  503   STORAGE.UNAVAILABLE
+    └── ServiceUnavailable  503   STORAGE.UNAVAILABLE, SERVICE.BUSY
+    (`AppError.of_status`: 408 REQUEST.TIMEOUT and 431 REQUEST.HEADERS_TOO_LARGE, answered by
+    `api.http_protocol`)
 """
 
 from __future__ import annotations

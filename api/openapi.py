@@ -45,6 +45,8 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "AUTH.MISSING_REALM": (400, "The `X-Realm-Id` header is missing."),
     "REQUEST.INCOMPLETE": (400, "The client went away before its whole body arrived."),
     "REQUEST.INVALID": (400, "The request is not valid HTTP/1.1 (answered by the HTTP parser, before any route)."),
+    "AUTH.NONCE_TOO_LONG": (400, "The SVC-AUTH nonce is longer than 128 characters (`TOLLGATE_MAX_NONCE_CHARS`)."),
+    "IDEMPOTENCY.KEY_TOO_LONG": (400, "The `Idempotency-Key` header is longer than 255 characters (`TOLLGATE_MAX_IDEMPOTENCY_KEY_CHARS`)."),
     "AUTH.UNAUTHORIZED": (401, "`Authorization` is missing or not in the SVC-AUTH format."),
     "AUTH.SERVICE_KEY_NOT_FOUND": (401, "No service key has this `keyId`."),
     "AUTH.INVALID_SERVICE_SIGNATURE": (401, "`Content-Digest` does not match the body, or the signature does not match the request."),
@@ -58,11 +60,13 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "AUTH.BILLING_ACCOUNT_MISMATCH": (403, "`X-Billing-Account-Id` is not the principal's account."),
     "RESOURCE.ROUTE_NOT_FOUND": (404, "No route has this path."),
     "REQUEST.METHOD_NOT_ALLOWED": (405, "The route does not take this method."),
+    "REQUEST.TIMEOUT": (408, "The request's head did not arrive within 10 s of the connection or its first byte, or the whole request within 60 s; the connection is closed."),
     "IDEMPOTENCY.IN_PROGRESS": (409, "A request with this `Idempotency-Key` is still being answered."),
     "IDEMPOTENCY.CONFLICT": (409, "The `Idempotency-Key` was used within 24 h with another body."),
     "LEASE.ALREADY_COMMITTED": (409, "The lease was committed with another body."),
     "LEASE.CANCELLED": (409, "The lease was cancelled."),
     "VALIDATION.BODY_TOO_LARGE": (413, "The body is larger than 16 MiB."),
+    "REQUEST.HEADERS_TOO_LARGE": (431, "The request's head is larger than 32 KiB or has more than 100 headers; the connection is closed."),
     "VALIDATION.INVALID_INPUT": (422, "The body is invalid; `errors` lists every fault with its field."),
     "VALIDATION.BATCH_TOO_LARGE": (422, "A batch holds more than 1,000 events; nothing was written."),
     "RESOURCE.NOT_FOUND": (422, "The realm has no catalog, or the account, principal or feature is unknown (or inactive, or not of the family given)."),
@@ -72,6 +76,7 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "LIMIT.RATE_EXCEEDED": (429, "A rate limit of the feature is full; retry after `Retry-After` seconds (hint `rate.limit`)."),
     "INTERNAL.ERROR": (500, "An unexpected failure, logged with the trace id; no detail is sent."),
     "STORAGE.UNAVAILABLE": (503, "The writer could not make the request durable, is restarting, or did not answer within its deadline: retry after `Retry-After` seconds (a retried event already stored is answered as a duplicate; a gate call replays under its `Idempotency-Key`)."),
+    "SERVICE.BUSY": (503, "The service holds as many connections as it takes, or is stopping; retry after `Retry-After` seconds. The connection is closed."),
 }
 
 # Codes of `errors[].code` (and of an event batch item's `error.code`): the fault of one field.
@@ -131,7 +136,9 @@ SIGNED_ERRORS = (
     "AUTH.SERVICE_KEY_DISABLED", "AUTH.SERVICE_KEY_REALM_FORBIDDEN",
     "VALIDATION.BODY_TOO_LARGE", "REQUEST.INCOMPLETE", "VALIDATION.MALFORMED_JSON",
     "VALIDATION.MISSING_CONTEXT", "RESOURCE.NOT_FOUND", "VALIDATION.INVALID_INPUT",
-    "INTERNAL.ERROR",
+    "INTERNAL.ERROR", "AUTH.NONCE_TOO_LONG", "IDEMPOTENCY.KEY_TOO_LONG",
+    # answered by the HTTP protocol before any route (api/http_protocol.py)
+    "REQUEST.HEADERS_TOO_LARGE", "REQUEST.TIMEOUT", "SERVICE.BUSY",
 )
 GATE_ERRORS = (*SIGNED_ERRORS, "AUTH.BILLING_ACCOUNT_MISMATCH", "IDEMPOTENCY.IN_PROGRESS",
                "IDEMPOTENCY.CONFLICT", "STORAGE.UNAVAILABLE")
@@ -191,7 +198,8 @@ class Route:
 
 ROUTES: tuple[Route, ...] = (
     Route("GET", "/healthz", "healthz", "Readiness", "ops",
-          {200: s.HealthData, 503: s.HealthData}, signed=False, errors=("INTERNAL.ERROR",),
+          {200: s.HealthData, 503: s.HealthData}, signed=False,
+          errors=("INTERNAL.ERROR", "REQUEST.HEADERS_TOO_LARGE", "REQUEST.TIMEOUT"),
           headers=(REQUEST_ID,),
           description="Unsigned. 200 when the service and its writer are ready; 503 with the same "
                       "body (`ok: true`) while starting or when the writer is down, `reasons` "
@@ -316,8 +324,9 @@ _RESPONSE_HEADERS: dict[str, dict[str, Any]] = {
 }
 _STATUS_TEXT = {200: "OK", 201: "Created", 207: "Multi-Status", 400: "Bad Request", 401: "Unauthorized",
                 402: "Payment Required", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed",
-                409: "Conflict", 413: "Content Too Large", 422: "Unprocessable Content",
-                429: "Too Many Requests", 500: "Internal Server Error", 503: "Service Unavailable"}
+                408: "Request Timeout", 409: "Conflict", 413: "Content Too Large",
+                422: "Unprocessable Content", 429: "Too Many Requests",
+                431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable"}
 
 
 def _structs() -> list[Any]:

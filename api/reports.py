@@ -25,7 +25,7 @@ from litestar import Controller, Request, post
 
 from api.envelope import Reply
 from api.errors import BadRequest, Forbidden, Unprocessable
-from api.requests import account_in_context, authenticate, read_body
+from api.requests import account_in_context, read_signed
 from api.runtime import Runtime
 from pipelines.events import format_instant, parse_instant
 from warehouse.lake import with_lake_retry
@@ -234,8 +234,7 @@ class ReportsController(Controller):
     async def usage(self, request: Request[Any, Any, Any]) -> Reply:
         """Usage (quantity, amount, counts) per bucket and dimension over a time range."""
         runtime: Runtime = request.app.state.runtime
-        raw = await read_body(request)
-        ctx = authenticate(runtime, request, raw)
+        ctx, raw = await read_signed(runtime, request)
         realm = runtime.realm(ctx)
         account = account_in_context(realm, ctx)
         try:

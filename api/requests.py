@@ -1,31 +1,58 @@
-"""What every authenticated endpoint does first: read the raw body and verify its signature."""
+"""What every authenticated endpoint does first: verify its signature and read the raw body."""
 
 from __future__ import annotations
 
 from typing import Any
-
-from litestar import Request
 
 from api.auth import AuthContext
 from api.errors import BadRequest, Forbidden, PayloadTooLarge, Unprocessable
 from api.runtime import Runtime
 from pipelines.catalog import Realm
 
-__all__ = ["account_in_context", "authenticate", "read_body"]
+__all__ = ["account_in_context", "read_body", "read_signed"]
 
 
-async def read_body(request: Request[Any, Any, Any]) -> bytes:
+async def read_signed(runtime: Runtime, request: Any) -> tuple[AuthContext, bytes]:
+    """The request's signature and its raw body: what every signed endpoint does first.
+
+    A body no larger than `max_body_unsigned_bytes` (declared by Content-Length) is read, then
+    the request is checked whole (`Authenticator.verify`). A larger one, or one sent without a
+    length, is authenticated from its head first (`verify_head`: the signature covers the
+    declared Content-Digest), so a caller who does not hold a key's secret is refused before
+    any of it is read; its body is then read up to `max_body_bytes` and must match the digest.
+    A declared length past `max_body_bytes` is refused before anything else."""
+    settings = runtime.settings
+    scope = request.scope
+    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+    declared = headers.get("content-length")
+    if declared is not None:
+        length = int(declared) if declared.isdigit() else None
+    else:  # no Content-Length: chunked (length unknown), else no body at all (RFC 9112 6.3)
+        length = None if "transfer-encoding" in headers else 0
+    limit = settings.max_body_bytes
+    if length is not None and length > limit:
+        raise _too_large(limit)
+    raw: bytes = scope.get("raw_path") or scope["path"].encode()
+    path = raw.decode("latin-1")
+    query: bytes = scope.get("query_string", b"")
+    if query:
+        path = f"{path}?{query.decode('latin-1')}"
+    method: str = scope["method"]
+    if length is not None and length <= settings.max_body_unsigned_bytes:
+        body = await read_body(request.receive, length)
+        return runtime.auth.verify(method, path, headers, body), body
+    head = runtime.auth.verify_head(method, path, headers)
+    body = await read_body(request.receive, limit)
+    return runtime.auth.verify_body(head, headers, body), body
+
+
+async def read_body(receive: Any, limit: int) -> bytes:
     """The raw body, read straight from the ASGI messages (Litestar's `Request.body` runs
-    an async generator per request), refused past the size limit as it arrives."""
-    limit = request.app.state.runtime.settings.max_body_bytes
-    for name, value in request.scope["headers"]:
-        if name == b"content-length" and value.isdigit() and int(value) > limit:
-            raise PayloadTooLarge("VALIDATION.BODY_TOO_LARGE", "request body is larger than 16 MiB")
-    receive = request.receive
+    an async generator per request), refused past `limit` as it arrives."""
     message = await receive()
     if message["type"] == "http.disconnect":
         raise BadRequest("REQUEST.INCOMPLETE", "the client went away before sending the body")
-    body: bytes = message.get("body", b"")  # type: ignore[assignment]
+    body: bytes = message.get("body", b"")
     if message.get("more_body"):
         chunks = [body]
         size = len(body)
@@ -33,26 +60,20 @@ async def read_body(request: Request[Any, Any, Any]) -> bytes:
             message = await receive()
             if message["type"] == "http.disconnect":
                 raise BadRequest("REQUEST.INCOMPLETE", "the client went away before sending the body")
-            chunk: bytes = message.get("body", b"")  # type: ignore[assignment]
+            chunk: bytes = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                raise PayloadTooLarge("VALIDATION.BODY_TOO_LARGE", "request body is larger than 16 MiB")
+                raise _too_large(limit)
             chunks.append(chunk)
         body = b"".join(chunks)
     if len(body) > limit:
-        raise PayloadTooLarge("VALIDATION.BODY_TOO_LARGE", "request body is larger than 16 MiB")
+        raise _too_large(limit)
     return body
 
 
-def authenticate(runtime: Runtime, request: Request[Any, Any, Any], body: bytes) -> AuthContext:
-    scope = request.scope
-    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-    raw: bytes = scope.get("raw_path") or scope["path"].encode()
-    path = raw.decode("latin-1")
-    query: bytes = scope.get("query_string", b"")
-    if query:
-        path = f"{path}?{query.decode('latin-1')}"
-    return runtime.auth.verify(scope["method"], path, headers, body)
+def _too_large(limit: int) -> PayloadTooLarge:
+    size = f"{limit // (1024 * 1024)} MiB" if limit % (1024 * 1024) == 0 else f"{limit} bytes"
+    return PayloadTooLarge("VALIDATION.BODY_TOO_LARGE", f"request body is larger than {size}")
 
 
 def account_in_context(realm: Realm, ctx: AuthContext) -> str | None:

@@ -74,7 +74,9 @@ class Runtime:
         self.settings = settings
         self.clock = clock
         self.catalog = Catalog.empty()
-        self.auth = Authenticator(settings.signature_skew_seconds, clock)
+        self.auth = Authenticator(settings.signature_skew_seconds, clock,
+                                  max_nonce_chars=settings.max_nonce_chars,
+                                  max_idempotency_key_chars=settings.max_idempotency_key_chars)
         self.key_store = ServiceKeyStore(settings.keys_path)
         self.catalog_store = CatalogStore(settings.catalog_dir)
         self._key_sig: Any = None

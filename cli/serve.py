@@ -84,11 +84,12 @@ def serve(*, host: Host = None, port: Port = None, data_dir: DataDir = None) -> 
     _banner(settings)
     from api.http_protocol import http_protocol
 
+    _raise_open_files(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, loop="uvloop",
-                            http=http_protocol(), lifespan="on", log_level="warning",
+                            http=http_protocol(settings), lifespan="on", log_level="warning",
                             log_config=None,  # uvicorn's records go through core.logs
                             access_log=False,  # api/observe.py writes the access log
-                            timeout_keep_alive=30, proxy_headers=False)
+                            timeout_keep_alive=settings.keep_alive_seconds, proxy_headers=False)
     server = uvicorn.Server(config)
     runtime = app.state.runtime
     # A writer that cannot be kept running (it refused its journal, or ended too often) stops
@@ -108,6 +109,26 @@ def serve(*, host: Host = None, port: Port = None, data_dir: DataDir = None) -> 
         # quietly after logging it, and a service that never served must not exit 0.
         raise CommandError("the service did not start (the reason is above)", 1)
     return 0
+
+
+def _raise_open_files(settings: Settings) -> None:
+    """Let this process open a file per connection it may hold (`max_connections`) and the
+    files it needs beside them: the soft limit of open files is raised toward the hard one.
+    Past the limit, accepting fails before the connection cap can answer 503."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = settings.max_connections + 256
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            target = soft
+        if target < wanted:
+            print(f"tollgate: this process may open {target} files, fewer than"
+                  f" TOLLGATE_MAX_CONNECTIONS ({settings.max_connections}) needs; raise its limit"
+                  " (ulimit -n) or lower the setting", file=sys.stderr)
 
 
 def _check_journal(settings: Settings) -> None:

@@ -18,6 +18,21 @@ them see the same settings.
 | TOLLGATE_LOG_FORMAT               | json under `serve`, else text | `json` (one JSON object a line) or `text` (`core.logs`) |
 | TOLLGATE_LOG_LEVEL                | INFO         | the lowest level logged                    |
 | TOLLGATE_METRICS                  | on           | Prometheus metrics: `on` (GET /metrics on the API's address), `off`, or `HOST:PORT` (a listener of their own) |
+
+The HTTP process's limits (docs/api.md, "Limits"), each a positive number:
+
+| environment variable                  | default  | what it limits                                      |
+|---------------------------------------|----------|-----------------------------------------------------|
+| TOLLGATE_MAX_HEADER_BYTES             | 32768    | a request's head (request line and headers): 431    |
+| TOLLGATE_MAX_HEADERS                  | 100      | the number of header lines of a request: 431        |
+| TOLLGATE_HEADER_TIMEOUT_SECONDS       | 10       | from the connection (or a request's first byte) to the end of its head: 408 |
+| TOLLGATE_REQUEST_TIMEOUT_SECONDS      | 60       | from a request's first byte to the end of its body: 408 |
+| TOLLGATE_KEEP_ALIVE_SECONDS           | 30       | how long a connection may idle between requests before it is closed |
+| TOLLGATE_MAX_BODY_UNSIGNED_BYTES      | 65536    | the body read before the signature is checked; a larger one is authenticated from its head first |
+| TOLLGATE_MAX_BODY_BYTES               | 16777216 | a body (after authentication): 413                  |
+| TOLLGATE_MAX_CONNECTIONS              | 4096     | open connections; past it a new one gets 503 and is closed |
+| TOLLGATE_MAX_NONCE_CHARS              | 128      | the SVC-AUTH nonce: 400 `AUTH.NONCE_TOO_LONG`        |
+| TOLLGATE_MAX_IDEMPOTENCY_KEY_CHARS    | 255      | the Idempotency-Key header: 400 `IDEMPOTENCY.KEY_TOO_LONG` |
 """
 
 from __future__ import annotations
@@ -87,6 +102,8 @@ def _positive_seconds(env: Mapping[str, str], name: str, default: float) -> floa
     if not 0 < value < float("inf"):
         raise ConfigError(f"{name} must be a number of seconds above 0, not {text!r}")
     return value
+
+
 def _log_format(env: Mapping[str, str]) -> str:
     """TOLLGATE_LOG_FORMAT: json, text, or empty (the process's default).
 
@@ -156,6 +173,16 @@ class Settings:
     signature_skew_seconds: int = 300
     reload_interval_seconds: float = 1.0
     max_body_bytes: int = 16 * 1024 * 1024
+    # The HTTP process's limits before and after authentication (the table above).
+    max_header_bytes: int = 32 * 1024
+    max_headers: int = 100
+    header_timeout_seconds: float = 10.0
+    request_timeout_seconds: float = 60.0
+    keep_alive_seconds: int = 30
+    max_body_unsigned_bytes: int = 64 * 1024
+    max_connections: int = 4096
+    max_nonce_chars: int = 128
+    max_idempotency_key_chars: int = 255
     max_batch_items: int = 1000
     # TOLLGATE_SCHEDULES as given, stripped and lower-cased (see `schedules_on`).
     schedules: str = "on"
@@ -193,6 +220,16 @@ class Settings:
             writer_deadline_seconds=_positive_seconds(env, "TOLLGATE_WRITER_DEADLINE_SECONDS", 10.0),
             log_format=_log_format(env),
             metrics=_metrics(env),
+            max_body_bytes=_positive_int(env, "TOLLGATE_MAX_BODY_BYTES", 16 * 1024 * 1024),
+            max_header_bytes=_positive_int(env, "TOLLGATE_MAX_HEADER_BYTES", 32 * 1024),
+            max_headers=_positive_int(env, "TOLLGATE_MAX_HEADERS", 100),
+            header_timeout_seconds=_positive_seconds(env, "TOLLGATE_HEADER_TIMEOUT_SECONDS", 10),
+            request_timeout_seconds=_positive_seconds(env, "TOLLGATE_REQUEST_TIMEOUT_SECONDS", 60),
+            keep_alive_seconds=_positive_int(env, "TOLLGATE_KEEP_ALIVE_SECONDS", 30),
+            max_body_unsigned_bytes=_positive_int(env, "TOLLGATE_MAX_BODY_UNSIGNED_BYTES", 64 * 1024),
+            max_connections=_positive_int(env, "TOLLGATE_MAX_CONNECTIONS", 4096),
+            max_nonce_chars=_positive_int(env, "TOLLGATE_MAX_NONCE_CHARS", 128),
+            max_idempotency_key_chars=_positive_int(env, "TOLLGATE_MAX_IDEMPOTENCY_KEY_CHARS", 255),
         )
 
     @property

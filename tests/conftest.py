@@ -140,6 +140,7 @@ class Service:
     proc: subprocess.Popen[bytes] | None = None
     client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=30))
     log_path: Path | None = None
+    env: dict[str, str] = field(default_factory=dict)  # settings of this service (TOLLGATE_...)
 
     @property
     def base_url(self) -> str:
@@ -152,7 +153,8 @@ class Service:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cli", "serve", "--port", str(self.port),
              "--data-dir", str(self.data_dir)],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
         )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

@@ -16,6 +16,7 @@ import msgspec
 from warehouse.outbox import EventRecord, Stored
 
 __all__ = [
+    "COMMIT_FIELDS_KEPT",
     "OPS",
     "RESULT_TYPES",
     "AuthorizeOp",
@@ -31,7 +32,31 @@ __all__ = [
     "Standing",
     "StandingOp",
     "UsageOp",
+    "commit_body_kept",
 ]
+
+
+# What a commit keeps of its body to tell a replay from another body (the lease holds it for
+# 7 days after it ends, the `commits` row for good): the fields a commit decides on. Unknown
+# fields are dropped before the comparison, so they neither cost memory nor make a body
+# "another" one. `lease` counts only when `lease_token` is absent, as the commit reads it.
+COMMIT_FIELDS_KEPT = ("lease_token", "feature_code", "quantity_minor", "meters", "labels")
+
+_sorted_json = msgspec.json.Encoder(order="sorted").encode
+
+
+def commit_body_kept(body: dict[str, Any]) -> bytes:
+    """The canonical JSON (keys sorted) of the fields of a commit's body that are kept.
+
+    >>> commit_body_kept({"quantity_minor": "3", "lease_token": "tgl_x", "note": "n" * 9999})
+    b'{"lease_token":"tgl_x","quantity_minor":"3"}'
+    >>> commit_body_kept({"lease": "tgl_x", "feature_code": "f"})
+    b'{"feature_code":"f","lease":"tgl_x"}'
+    """
+    kept = {name: body[name] for name in COMMIT_FIELDS_KEPT if name in body}
+    if "lease_token" not in body and "lease" in body:
+        kept["lease"] = body["lease"]
+    return _sorted_json(kept)
 
 
 class IdemKey(msgspec.Struct, array_like=True, frozen=True):
@@ -90,7 +115,7 @@ class CommitOp(msgspec.Struct, tag="commit", array_like=True, frozen=True):
     quantity_minor: int
     meters: list[MeterLine] | None
     labels: dict[str, str]
-    body_canonical: bytes  # the body as canonical JSON: "equal as JSON" is byte equality here
+    body_canonical: bytes  # `commit_body_kept`: "the same body" is byte equality here
     idem: IdemKey | None
 
 

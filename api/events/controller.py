@@ -15,7 +15,7 @@ from litestar import Controller, Request, post
 from api.envelope import Reply, ok
 from api.errors import AppError, BadRequest, Unprocessable
 from api.events.views import event_view, item_view, to_record
-from api.requests import authenticate, read_body
+from api.requests import read_signed
 from api.runtime import Runtime
 from pipelines.catalog import Realm
 from pipelines.events import FieldError, ValidEvent, decode_event, validate_event
@@ -56,8 +56,7 @@ def _malformed(exc: Exception) -> BadRequest:
 async def _event_call(request: Any) -> tuple[Runtime, bytes, Realm, str]:
     """Every event call: the raw body, its signature, and the account of the context."""
     runtime: Runtime = request.app.state.runtime
-    body = await read_body(request)
-    ctx = authenticate(runtime, request, body)
+    ctx, body = await read_signed(runtime, request)
     realm, account = runtime.account_of_event_call(ctx)
     return runtime, body, realm, account
 

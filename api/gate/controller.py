@@ -17,7 +17,7 @@ from litestar import Controller, Request, post
 from api.auth import AuthContext
 from api.envelope import Reply, error_reply, ok, trace_id_of
 from api.errors import AppError, BadRequest, Conflict, Forbidden, Unprocessable
-from api.requests import authenticate, read_body
+from api.requests import read_signed
 from api.runtime import Runtime
 from core.constants import INT64_MAX
 from pipelines.catalog import CODE_PATTERN, Realm
@@ -32,6 +32,7 @@ from writer.ops import (
     MeterLine,
     RecordOutcomeOp,
     UsageOp,
+    commit_body_kept,
 )
 
 __all__ = ["GateController", "authorize", "cancel", "commit", "commit_batch", "gate_context", "ingest"]
@@ -204,8 +205,7 @@ def gate_context(runtime: Runtime, ctx: AuthContext) -> tuple[Realm, str, str]:
 
 async def _handle(request: Any, endpoint: str, decide: Any) -> Reply:
     runtime: Runtime = request.app.state.runtime
-    raw = await read_body(request)
-    ctx = authenticate(runtime, request, raw)
+    ctx, raw = await read_signed(runtime, request)
     realm, _, account = gate_context(runtime, ctx)
     assert ctx.principal_id is not None
     try:
@@ -296,7 +296,7 @@ async def _commit(call: _Call) -> GateOutcome:
     if f.errors:
         return await _settle(call, _invalid(f.errors))
     op = CommitOp(call.realm.id, call.principal, call.account, token, feature_code, quantity,  # type: ignore[arg-type]
-                  meters or None, labels, _sorted(call.body), call.idem)
+                  meters or None, labels, commit_body_kept(call.body), call.idem)
     return await call.runtime.write(op)  # type: ignore[no-any-return]
 
 
@@ -366,8 +366,7 @@ async def _commit_batch(call: _Call) -> GateOutcome:
                 "VALIDATION.INVALID_INPUT", "the item is invalid",
                 [{**e, "field": f"items[{index}].{e['field']}"} for e in f.errors])}
             continue
-        body = {k: v for k, v in item.items() if k != "idempotency_key"}
-        canonical = _sorted(body)
+        canonical = commit_body_kept(item)
         scope_key = f"{hashlib.sha256((token or '').encode()).hexdigest()}:{key}"
         idem = IdemKey(call.realm.id, call.principal, "commits/batch.item", scope_key,
                        hashlib.sha256(canonical).hexdigest())

@@ -18,7 +18,7 @@ from litestar import Controller, Request, get
 
 from api.envelope import Reply, ok
 from api.gate.controller import gate_context
-from api.requests import authenticate, read_body
+from api.requests import read_signed
 from api.runtime import Runtime
 from pipelines.catalog import Feature, Quota, Realm
 from pipelines.events import format_instant
@@ -66,8 +66,7 @@ def _quota_view(quota: Quota, use: QuotaUse, today: date) -> dict[str, Any]:
 
 async def _standing(request: Request[Any, Any, Any]) -> tuple[Runtime, Realm, str, str, Standing]:
     runtime: Runtime = request.app.state.runtime
-    raw = await read_body(request)
-    ctx = authenticate(runtime, request, raw)
+    ctx, raw = await read_signed(runtime, request)
     realm, principal, account = gate_context(runtime, ctx)
     standing: Standing = await runtime.write(StandingOp(realm.id, account, principal))
     return runtime, realm, principal, account, standing

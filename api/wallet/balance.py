@@ -26,7 +26,7 @@ from litestar import Controller, Request, get
 from api.envelope import Reply, ok
 from api.errors import BadRequest, Unprocessable
 from api.gate.reads import available_xusd
-from api.requests import account_in_context, authenticate, read_body
+from api.requests import account_in_context, read_signed
 from api.runtime import Runtime
 from writer.ops import Standing, StandingOp
 
@@ -68,8 +68,7 @@ class WalletController(Controller):
     async def balance(self, request: Request[Any, Any, Any]) -> Reply:
         """The balance, holds, available funds and grants in force of the account in context."""
         runtime: Runtime = request.app.state.runtime
-        raw = await read_body(request)
-        ctx = authenticate(runtime, request, raw)
+        ctx, raw = await read_signed(runtime, request)
         realm = runtime.realm(ctx)
         account = account_in_context(realm, ctx)
         if not account:

@@ -63,6 +63,7 @@ from writer.ops import (
     Standing,
     StandingOp,
     UsageOp,
+    commit_body_kept,
 )
 
 __all__ = ["GateBook", "token_digest"]
@@ -176,7 +177,8 @@ class GateBook:
             lease = Lease(lease_id, sha, realm, principal, account, feature, family, qty, xusd,
                           created, expires, state or "active", ended)
             if body is not None:
-                lease.commit_body = body.encode()
+                # A body stored before `commit_body_kept` held every field: keep what it keeps.
+                lease.commit_body = commit_body_kept(msgspec.json.decode(body.encode()))
                 lease.commit_outcome = msgspec.json.decode(reply.encode(), type=GateOutcome)
             self.leases[sha] = lease
             if lease.state == "active":
