@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from api.metrics import CONTENT_TYPE_LATEST, HttpMetrics
 from api.observe import Observe
 from api.reports import ReportsController
 from api.runtime import Runtime
+from api.shared import RemoteState, SharedState
 from api.wallet.balance import WalletController
 from core.settings import Settings
 
@@ -65,22 +67,32 @@ def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
     return Response(content=registry.exposition(), media_type=CONTENT_TYPE_LATEST)
 
 
-def create_app(settings: Settings, *, on_stop: Sequence[Callable[[], None]] = ()) -> Litestar:
-    """The app; `on_stop` runs first when the server shuts down (the caller's processes
-    beside this one, such as the flows' scheduler: uvicorn ends the process by the signal
-    that stopped it once it has shut down, so nothing after `run()` is sure to run)."""
-    runtime = Runtime(settings)
+def create_app(settings: Settings, *, on_stop: Sequence[Callable[[], None]] = (),
+               shared: SharedState | None = None, worker: int | None = None) -> Litestar:
+    """The app of one HTTP worker (`api.worker`); `on_stop` runs first when it shuts down.
+    `shared` is where nonces, rate windows and Idempotency-Keys in flight are decided when
+    the service runs several workers (`api.shared`); `worker`, this worker's number, is sent
+    in each response's X-Tollgate-Worker header."""
+    runtime = Runtime(settings, shared=shared)
     observed = HttpMetrics(settings.folder.metrics) if settings.metrics_on else None
     if observed is not None:
         observed.runtime = runtime
     elsewhere: list[Any] = []
+    tasks: list[asyncio.Task[None]] = []
 
     async def start(app: Litestar) -> None:
+        if isinstance(shared, RemoteState):
+            await shared.start()
         await runtime.start()
-        if observed is not None and settings.metrics_address is not None:
+        if observed is not None and observed.gauges:
+            tasks.append(asyncio.create_task(_sample_every_second(observed)))
+        if observed is not None and settings.metrics_address is not None and worker in (None, 1):
+            # One listener of its own: the first worker's (it sums every worker's counts).
             elsewhere.append(observed.serve_elsewhere(*settings.metrics_address))
 
     async def stop(app: Litestar) -> None:
+        for task in tasks:
+            task.cancel()
         for hook in on_stop:
             await asyncio.to_thread(hook)
         for server in elsewhere:
@@ -117,5 +129,14 @@ def create_app(settings: Settings, *, on_stop: Sequence[Callable[[], None]] = ()
         "/mgt/v1/events/batch": record_event_batch,
     })
     direct: DirectRoutes = app.asgi_handler
-    app.asgi_handler = Observe(direct, observed, dict(direct.routes))
+    app.asgi_handler = Observe(direct, observed, dict(direct.routes), worker=worker)
     return app
+
+
+async def _sample_every_second(observed: HttpMetrics) -> None:
+    while True:
+        try:
+            observed.sample()
+        except Exception:
+            logging.getLogger("tollgate.metrics").exception("could not sample the worker's gauges")
+        await asyncio.sleep(1.0)

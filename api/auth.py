@@ -6,9 +6,10 @@
 path with query as received, ts, nonce, content-digest, content-type, x-realm-id,
 x-principal-id, x-user-id, x-billing-account-id, x-billing-user-id, idempotency-key. The
 Content-Digest header must match the body. `ts` must lie within the skew window of the server
-clock and a nonce is accepted once within it, across restarts too: every accepted nonce is
-appended to the data folder's nonce log (`NonceLog`) before the request is answered, and the
-log's nonces still in force are loaded at start. Checks run so that nothing about a key is
+clock and a nonce is accepted once within it, across restarts and HTTP workers too: the one
+place that decides (`api.shared.StateBook`) appends every accepted nonce to the data folder's
+nonce log (`NonceLog`) before the request is answered, and loads the log's nonces still in
+force at start. Checks run so that nothing about a key is
 told to a caller who has not proved they hold its secret.
 """
 
@@ -19,7 +20,6 @@ import binascii
 import hashlib
 import hmac
 import logging
-import math
 import os
 import re
 import secrets
@@ -35,7 +35,8 @@ from api.errors import BadRequest, Forbidden, Unauthorized
 from core.clock import SYSTEM_CLOCK, Clock
 from warehouse.keys import ServiceKey
 
-__all__ = ["AuthContext", "Authenticator", "NonceLog", "SignedHead", "content_digest", "sign_headers"]
+__all__ = ["AuthContext", "Authenticator", "NonceLog", "SignedHead", "content_digest", "replayed",
+           "sign_headers"]
 
 log = logging.getLogger("tollgate.auth")
 
@@ -229,10 +230,14 @@ def _bucket_of(path: Path) -> int | None:
         return None
 
 
+def replayed() -> Unauthorized:
+    return Unauthorized("AUTH.REPLAYED_NONCE", "this nonce was already used")
+
+
 @dataclass(slots=True)
 class SignedHead:
-    """A request whose head passed the signature, `ts` and nonce checks (`verify_head`), its
-    body not yet read: `verify_body` checks the body against the signed Content-Digest."""
+    """A request whose head passed the signature and `ts` checks (`check`, `check_head`); its
+    nonce is decided next, then `accept`."""
 
     key: ServiceKey
     key_id: str
@@ -250,39 +255,39 @@ class Authenticator:
         self.max_idempotency_key_chars = max_idempotency_key_chars
         self.keys: dict[str, ServiceKey] = {}
         self._secrets: dict[str, bytes] = {}  # decoded secrets, by the key's base64 text
-        # A nonce must be refused for as long as its ts could still pass the skew check.
+        # `verify`'s own nonces (the service's are decided in `api.shared`).
         self._nonces = _NonceWindow(2 * skew_seconds + 1)
-        self.nonce_log: NonceLog | None = None
-
-    def keep_nonces(self, log: NonceLog) -> None:
-        """Record every accepted nonce in `log`, and refuse those it holds from before."""
-        self._nonces.preload(log.load(self.clock.now().timestamp()))
-        self.nonce_log = log
 
     def verify(self, method: str, path: str, headers: dict[str, str], body: bytes) -> AuthContext:
         """Every check of a request whose body is read, in the documented order: realm header,
         header format, key id, Content-Digest, signature, `ts`, nonce, key disabled, key's
-        realm."""
+        realm; the nonce in this object's own window (the service asks `api.shared`, which
+        decides for every worker: `check`, then `accept`)."""
+        head = self.check(method, path, headers, body)
+        if not self._nonces.first_use(head.key_id, head.nonce):
+            raise replayed()
+        return self.accept(head, headers)
+
+    def check(self, method: str, path: str, headers: dict[str, str], body: bytes) -> SignedHead:
+        """The checks before the nonce of a request whose body is read."""
         realm, key_id, sig, ts, nonce, key = self._parse(headers)
         self._check_digest(headers, body)
         signed_at = self._check_signature(key, method, path, sig, ts, nonce, headers)
-        return self._accept(SignedHead(key, key_id, nonce, signed_at, realm), headers)
-
-    def verify_head(self, method: str, path: str, headers: dict[str, str]) -> SignedHead:
-        """The checks that need no body, for a body too large to read before the caller has
-        proved they hold the key's secret: the signature covers the declared Content-Digest,
-        so a request nobody signed is refused before its body is read. A nonce already used is
-        refused here too, but none is consumed: `verify_body` does that once the body matches."""
-        realm, key_id, sig, ts, nonce, key = self._parse(headers)
-        signed_at = self._check_signature(key, method, path, sig, ts, nonce, headers)
-        if self._nonces.seen(key_id, nonce):
-            raise Unauthorized("AUTH.REPLAYED_NONCE", "this nonce was already used")
         return SignedHead(key, key_id, nonce, signed_at, realm)
 
-    def verify_body(self, head: SignedHead, headers: dict[str, str], body: bytes) -> AuthContext:
-        """The rest of `verify` once the body of a `verify_head` request has arrived."""
+    def check_head(self, method: str, path: str, headers: dict[str, str]) -> SignedHead:
+        """The checks that need no body, for a body too large to read before the caller has
+        proved they hold the key's secret: the signature covers the declared Content-Digest,
+        so a request nobody signed is refused before its body is read. The caller refuses a
+        nonce already used here too, but consumes none: it does that once the body matches
+        (`check_body`)."""
+        realm, key_id, sig, ts, nonce, key = self._parse(headers)
+        signed_at = self._check_signature(key, method, path, sig, ts, nonce, headers)
+        return SignedHead(key, key_id, nonce, signed_at, realm)
+
+    def check_body(self, head: SignedHead, headers: dict[str, str], body: bytes) -> None:
+        """The body of a `check_head` request, once it has arrived, against its digest."""
         self._check_digest(headers, body)
-        return self._accept(head, headers)
 
     def _parse(self, headers: dict[str, str]) -> tuple[str, str, str, str, str, ServiceKey]:
         realm = headers.get("x-realm-id")
@@ -336,14 +341,8 @@ class Authenticator:
                                f"ts is more than {self.skew} s away from the server clock")
         return signed_at
 
-    def _accept(self, head: SignedHead, headers: dict[str, str]) -> AuthContext:
-        """Consume the nonce (the one place that does), then the key's state."""
-        if not self._nonces.first_use(head.key_id, head.nonce):
-            raise Unauthorized("AUTH.REPLAYED_NONCE", "this nonce was already used")
-        if self.nonce_log is not None:
-            # Refused until its ts fails the skew check: ts + skew, rounded up.
-            self.nonce_log.append(head.key_id, head.nonce,
-                                  math.ceil(head.signed_at.timestamp()) + self.skew + 1)
+    def accept(self, head: SignedHead, headers: dict[str, str]) -> AuthContext:
+        """After the nonce: the key's state, then the context of the call."""
         key = head.key
         if key.disabled:
             raise Forbidden("AUTH.SERVICE_KEY_DISABLED", "this service key is disabled")

@@ -23,6 +23,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
 )
@@ -35,13 +36,21 @@ from core.metrics import rss_family
 if TYPE_CHECKING:
     from api.runtime import Runtime
 
-__all__ = ["CONTENT_TYPE_LATEST", "HttpMetrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "HttpMetrics", "http_metrics_folder", "worker_ended"]
 
 log = logging.getLogger("tollgate.metrics")
 
 REQUEST_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                            2.5, 5.0, 10.0)
 PROCESS_FILES = ("writer.prom", "scheduler.prom")
+# The workers' gauges, summed over the live workers ("livesum"), or the lowest ("livemin").
+_WORKER_GAUGES: tuple[tuple[str, str, Any], ...] = (
+    ("tollgate_writer_queue_depth", "Ops of the HTTP workers not yet sent to the writer", "livesum"),
+    ("tollgate_writer_ops_in_flight", "Ops sent to the writer and not yet answered", "livesum"),
+    ("tollgate_writer_send_buffer_bytes", "Bytes for the writer that its socket has not taken yet",
+     "livesum"),
+    ("tollgate_writer_up", "1 while every HTTP worker is connected to the writer process", "livemin"),
+)
 
 
 class _ServiceCollector(Collector):
@@ -54,6 +63,12 @@ class _ServiceCollector(Collector):
         families: dict[str, Metric] = {}
         runtime = self.owner.runtime
         writer = getattr(runtime, "writer", None) if runtime is not None else None
+        shared = self.owner.shared
+        if shared is not None:
+            # Every worker's requests and gauges, summed (the files of `shared`'s folder).
+            for family in shared.collect():
+                families[family.name] = family
+            writer = None
         if writer is not None:
             yield GaugeMetricFamily("tollgate_writer_queue_depth",
                                     "Ops of the HTTP process not yet sent to the writer",
@@ -66,7 +81,8 @@ class _ServiceCollector(Collector):
                                     value=writer.send_buffer_bytes)
             yield GaugeMetricFamily("tollgate_writer_up", "1 while the writer process is connected",
                                     value=0 if writer.closed else 1)
-        families["tollgate_process_resident_memory_bytes"] = rss_family("http")
+        if shared is None:
+            families["tollgate_process_resident_memory_bytes"] = rss_family("http")
         folder = self.owner.folder
         values: dict[str, float] = {}
         if folder is not None:
@@ -109,19 +125,45 @@ class _ServiceCollector(Collector):
         yield from families.values()
 
 
+def http_metrics_folder(metrics: Path) -> Path:
+    """Where the HTTP workers keep their counters (prometheus_client's multiprocess mode)."""
+    return metrics / "http"
+
+
 class HttpMetrics:
-    """The HTTP process's registry and its request metrics."""
+    """The HTTP process's registry and its request metrics.
+
+    Under `tollgate serve` each worker counts in files of `metrics/http/` (prometheus_client's
+    multiprocess mode, PROMETHEUS_MULTIPROC_DIR, set by `api.supervisor`), and a scrape, on
+    whichever worker it reaches, sums every worker's: requests, latencies, the writer queue
+    gauges and the workers' resident memory (`process="http"`; the gauges are sampled every
+    second). A worker that was restarted keeps its counts in the sums."""
 
     def __init__(self, folder: Path | None = None) -> None:
         self.runtime: Runtime | None = None
         self.folder = folder
         self.registry = CollectorRegistry(auto_describe=False)
+        multiprocess = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        counted = self.registry
+        self.shared: Any = None
+        self.gauges: dict[str, Any] = {}
+        if multiprocess:
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            os.makedirs(multiprocess, mode=0o700, exist_ok=True)
+            counted = CollectorRegistry(auto_describe=False)  # in the files; summed at a scrape
+            self.shared = MultiProcessCollector(None, multiprocess)  # type: ignore[no-untyped-call]
+            for name, text, mode in _WORKER_GAUGES:
+                self.gauges[name] = Gauge(name, text, registry=counted, multiprocess_mode=mode)
+            self.gauges["rss"] = Gauge("tollgate_process_resident_memory_bytes",
+                                       "Resident memory of each process of the service", ["process"],
+                                       registry=counted, multiprocess_mode="livesum").labels("http")
         self.requests = Counter("tollgate_http_requests", "HTTP requests answered, per route and status",
-                                ["method", "route", "status"], registry=self.registry)
+                                ["method", "route", "status"], registry=counted)
         self.seconds = Histogram("tollgate_http_request_seconds",
                                  "Time from a request's arrival to its last response byte",
                                  ["method", "route", "status"], buckets=REQUEST_SECONDS_BUCKETS,
-                                 registry=self.registry)
+                                 registry=counted)
         self.registry.register(_ServiceCollector(self))
         # Per (method, route, status): the two bound children (labels() takes a lock and
         # builds a tuple every time).
@@ -136,6 +178,20 @@ class HttpMetrics:
             self._children[key] = children
         children[0].inc()
         children[1].observe(seconds)
+
+    def sample(self) -> None:
+        """Set this worker's gauges in the shared files (every second)."""
+        if not self.gauges:
+            return
+        from core.metrics import rss_bytes
+
+        writer = getattr(self.runtime, "writer", None)
+        if writer is not None:
+            self.gauges["tollgate_writer_queue_depth"].set(writer.queued)
+            self.gauges["tollgate_writer_ops_in_flight"].set(writer.in_flight)
+            self.gauges["tollgate_writer_send_buffer_bytes"].set(writer.send_buffer_bytes)
+            self.gauges["tollgate_writer_up"].set(0 if writer.closed else 1)
+        self.gauges["rss"].set(rss_bytes())
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -156,3 +212,12 @@ def clear_process_files(folder: Path) -> None:
             os.unlink(folder / name)
         except FileNotFoundError:
             pass
+    for path in http_metrics_folder(folder).glob("*.db"):
+        path.unlink(missing_ok=True)
+
+
+def worker_ended(folder: Path, pid: int) -> None:
+    """Drop the live gauges of a worker that ended (its counters stay in the sums)."""
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(pid, str(http_metrics_folder(folder)))  # type: ignore[no-untyped-call]

@@ -6,6 +6,7 @@
   `core.logs.TRACE_ID`, so every log line written while it is served carries it;
 - one access log line (logger `tollgate.access`, INFO): method, path, route, status,
   duration_ms, bytes and trace_id;
+- an X-Tollgate-Worker header naming the HTTP worker that answered (`api.supervisor`);
 - a count and a latency observation in `tollgate_http_requests_total` and
   `tollgate_http_request_seconds`, labelled by method, route and status. The route is the
   direct route's path or Litestar's path template; a request no route matched counts as
@@ -32,8 +33,11 @@ access = logging.getLogger("tollgate.access")
 
 
 class Observe:
-    def __init__(self, app: ASGIApp, metrics: HttpMetrics | None, routes: dict[str, object]) -> None:
+    def __init__(self, app: ASGIApp, metrics: HttpMetrics | None, routes: dict[str, object], *,
+                 worker: int | None = None) -> None:
         self.app = app
+        # X-Tollgate-Worker: which HTTP worker answered (`tollgate serve --workers N`).
+        self.worker_header = (b"x-tollgate-worker", str(worker).encode()) if worker is not None else None
         self.metrics = metrics
         self.routes = routes  # the direct routes, by path
         self.direct = frozenset(routes)
@@ -50,11 +54,14 @@ class Observe:
         token = TRACE_ID.set(trace)
         status = 500
         sent = 0
+        worker_header = self.worker_header
 
         async def watch(message: Message) -> None:
             nonlocal status, sent
             if message["type"] == "http.response.start":
                 status = message["status"]
+                if worker_header is not None:
+                    message["headers"] = [*message.get("headers", ()), worker_header]
             elif message["type"] == "http.response.body":
                 sent += len(message.get("body", b""))
             await send(message)

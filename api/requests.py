@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.auth import AuthContext
+from api.auth import AuthContext, replayed
 from api.errors import BadRequest, Forbidden, PayloadTooLarge, Unprocessable
 from api.runtime import Runtime
 from pipelines.catalog import Realm
@@ -16,8 +16,8 @@ async def read_signed(runtime: Runtime, request: Any) -> tuple[AuthContext, byte
     """The request's signature and its raw body: what every signed endpoint does first.
 
     A body no larger than `max_body_unsigned_bytes` (declared by Content-Length) is read, then
-    the request is checked whole (`Authenticator.verify`). A larger one, or one sent without a
-    length, is authenticated from its head first (`verify_head`: the signature covers the
+    the request is checked whole (`Authenticator.check`). A larger one, or one sent without a
+    length, is authenticated from its head first (`check_head`: the signature covers the
     declared Content-Digest), so a caller who does not hold a key's secret is refused before
     any of it is read; its body is then read up to `max_body_bytes` and must match the digest.
     A declared length past `max_body_bytes` is refused before anything else."""
@@ -38,12 +38,20 @@ async def read_signed(runtime: Runtime, request: Any) -> tuple[AuthContext, byte
     if query:
         path = f"{path}?{query.decode('latin-1')}"
     method: str = scope["method"]
+    auth = runtime.auth
     if length is not None and length <= settings.max_body_unsigned_bytes:
         body = await read_body(request.receive, length)
-        return runtime.auth.verify(method, path, headers, body), body
-    head = runtime.auth.verify_head(method, path, headers)
-    body = await read_body(request.receive, limit)
-    return runtime.auth.verify_body(head, headers, body), body
+        head = auth.check(method, path, headers, body)
+    else:
+        head = auth.check_head(method, path, headers)
+        if await runtime.shared.seen(head.key_id, head.nonce):
+            raise replayed()
+        body = await read_body(request.receive, limit)
+        auth.check_body(head, headers, body)
+    # The nonce, decided for every worker of the service in one place (`api.shared`).
+    if not await runtime.shared.first_use(head.key_id, head.nonce, head.signed_at.timestamp()):
+        raise replayed()
+    return auth.accept(head, headers), body
 
 
 async def read_body(receive: Any, limit: int) -> bytes:

@@ -1,17 +1,17 @@
-"""The running service's parts, assembled once: settings, the operational file and its
-writer, the applied catalog, the service keys and the authenticator.
+"""The running HTTP worker's parts, assembled once: settings, its connection to the writer,
+the applied catalog, the service keys, the authenticator and the state shared with the
+other workers.
 
 The catalog and the keys are files written by the CLI; the runtime polls them and swaps in a
 new version within `reload_interval_seconds`, so `tollgate catalog apply` and
-`tollgate keys disable` take effect on a running server without a restart.
+`tollgate keys disable` take effect on every worker of a running server without a restart.
 
-The runtime supervises the writer process. When it ends unexpectedly, every op in flight has
-already failed with 503 (`WriterClient.connection_lost`), requests meanwhile get 503 at once,
-and a new writer is started: it applies the journal as at any start, so nothing acknowledged
-is lost. Restarts are bounded (`MAX_WRITER_RESTARTS` within `RESTART_WINDOW_SECONDS`, the
-later ones after a growing pause); past the bound, or when the writer refuses its journal
-(which no restart can fix), the runtime records why in `fatal` and calls `on_fatal`, and
-`tollgate serve` exits 1 so that its own supervisor acts.
+The writer process is started and supervised by the service's parent process
+(`api.supervisor`); a worker connects to it on the data folder's `writer.sock`. When the
+writer ends, every op in flight has already failed with 503 (`WriterClient.connection_lost`),
+requests meanwhile get 503 at once, and the worker connects again: the connection waits on
+the socket until the new writer, which applies the journal as at any start, accepts it and
+says it is ready.
 """
 
 from __future__ import annotations
@@ -20,20 +20,15 @@ import asyncio
 import gc
 import logging
 import socket
-import subprocess
-import sys
-import time
-from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from api.auth import AuthContext, Authenticator, NonceLog
 from api.errors import AppError, BadRequest, Unprocessable
-from api.gate.limits import RateLimiter
+from api.shared import LocalState, SharedState, StateBook
 from core.clock import SYSTEM_CLOCK, Clock
-from core.constants import WRITER_JOURNAL_REFUSED
+from core.layout import unix_socket_call
 from core.settings import Settings
 from pipelines.catalog import Catalog, CatalogInvalid, Realm, load_catalog
 from warehouse.catalog_store import CatalogStore
@@ -42,35 +37,20 @@ from warehouse.usage_query import LakeReader
 from warehouse.writer import RemoteFailure, WriterClient
 from writer.ops import RESULT_TYPES
 
-__all__ = ["MAX_WRITER_RESTARTS", "RESTART_WINDOW_SECONDS", "RETRY_AFTER_SECONDS", "Runtime",
-           "WriterRefused"]
+__all__ = ["RETRY_AFTER_SECONDS", "Runtime", "read_hello"]
 
 log = logging.getLogger("tollgate.runtime")
 # A 503 STORAGE.UNAVAILABLE tells the client to retry after this many seconds: about the time
 # a writer takes to restart.
 RETRY_AFTER_SECONDS = 2
-# At most this many writer restarts within the window; one more and the service exits 1.
-MAX_WRITER_RESTARTS = 5
-RESTART_WINDOW_SECONDS = 600.0
-# The pause before the n-th restart of the window: none for the first, then 1, 2, 4, 8 s.
-MAX_RESTART_PAUSE_SECONDS = 30.0
-
-
-class WriterRefused(RuntimeError):
-    """The writer refused to start for a reason a restart cannot fix (its journal)."""
-
-
-def restart_pause(n: int) -> float:
-    """The pause before the n-th restart within the window.
-
-    >>> [restart_pause(n) for n in range(1, 7)]
-    [0.0, 1.0, 2.0, 4.0, 8.0, 16.0]
-    """
-    return 0.0 if n <= 1 else min(MAX_RESTART_PAUSE_SECONDS, 2.0 ** (n - 2))
+# How long a worker waits, each try, for the writer to accept its connection and say it is
+# ready (the writer may be applying its journal after a restart); it then tries again.
+CONNECT_WAIT_SECONDS = 5.0
 
 
 class Runtime:
-    def __init__(self, settings: Settings, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(self, settings: Settings, clock: Clock = SYSTEM_CLOCK, *,
+                 shared: SharedState | None = None) -> None:
         self.settings = settings
         self.clock = clock
         self.catalog = Catalog.empty()
@@ -82,114 +62,72 @@ class Runtime:
         self._key_sig: Any = None
         self._catalog_sig: Any = None
         self._tasks: list[asyncio.Task[None]] = []
-        self.rate_limiter = RateLimiter()
-        # Idempotency scopes whose first request is still being answered (409 IN_PROGRESS).
-        self.idempotency_in_flight: set[tuple[str, str, str, str]] = set()
+        # Nonces, rate windows and Idempotency-Keys in flight: this worker's own when it is the
+        # only one (made at start), else the parent's (`api.shared`).
+        self._shared = shared
         self.ready = False
         # `running`, `restarting` (after the writer ended, until a new one is ready) or `down`.
         self.writer_state = "down"
-        # Why the service must stop (set once), and what stops it (`tollgate serve` sets it).
-        self.fatal: str | None = None
-        self.on_fatal: Callable[[], None] | None = None
         self.writer_restarts = 0
         self._stopping = False
         # The lake, read by POST /reports/usage: attached on first use.
         self.lake_reader = LakeReader(settings.data_dir)
 
+    @property
+    def shared(self) -> SharedState:
+        if self._shared is None:
+            self._shared = LocalState(StateBook(
+                self.settings.signature_skew_seconds,
+                NonceLog(self.settings.folder.nonces, self.settings.signature_skew_seconds)))
+        return self._shared
+
     # ---- life cycle -------------------------------------------------------------------
     async def start(self) -> None:
         self.refresh()
-        ours, theirs = socket.socketpair()
-        self.settings.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        # Before the first request: the nonces an earlier process accepted are refused still.
-        self.auth.keep_nonces(NonceLog(self.settings.folder.nonces, self.settings.signature_skew_seconds))
-        await self._start_writer()
+        _ = self.shared  # the nonces of an earlier process are loaded before the first request
+        await self._connect_writer(wait=120.0)
         self._tasks.append(asyncio.create_task(self._poll_files()))
-        self._tasks.append(asyncio.create_task(self._supervise()))
+        self._tasks.append(asyncio.create_task(self._reconnect()))
         # What is loaded by now lives as long as the process: out of the collector's full
         # scans, which otherwise walk every module and catalog object now and then.
         gc.collect()
         gc.freeze()
         self.ready = True
 
-    async def _start_writer(self) -> None:
-        """Start a writer process and wait until it has opened the file (and applied the
-        journal); raises `WriterRefused` or RuntimeError when it does not."""
-        ours, theirs = socket.socketpair()
-        self._writer_proc = subprocess.Popen(
-            [sys.executable, "-m", "writer.host", "--fd", str(theirs.fileno()),
-             "--data-dir", str(self.settings.data_dir)],
-            pass_fds=[theirs.fileno()],
-        )
-        theirs.close()
+    async def _connect_writer(self, wait: float = CONNECT_WAIT_SECONDS) -> None:
+        """Connect to the writer and wait until it says it is ready; raises OSError or
+        RuntimeError when it does not within `wait` seconds."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            hello = await asyncio.to_thread(_read_hello, ours, self._writer_proc)
+            unix_socket_call(self.settings.folder.writer_socket, sock.connect)
+            hello = await asyncio.to_thread(read_hello, sock, wait)
         except BaseException:
-            ours.close()
+            sock.close()
             raise
         self.schema_version = int(hello["schema_version"])
-        writer = WriterClient(ours, RESULT_TYPES, deadline_seconds=self.settings.writer_deadline_seconds)
+        writer = WriterClient(sock, RESULT_TYPES, deadline_seconds=self.settings.writer_deadline_seconds)
         await writer.start()
         self.writer = writer
         self.writer_state = "running"
 
-    async def _supervise(self) -> None:
-        """Restart the writer whenever it ends while the service runs (see the module's doc)."""
-        restarts: deque[float] = deque()
+    async def _reconnect(self) -> None:
+        """Connect again whenever the writer goes away (the parent starts a new one)."""
         while True:
             assert self.writer.lost is not None
             await asyncio.shield(self.writer.lost)
             if self._stopping:
                 return
             self.writer_state = "restarting"
-            code = await self._reap_writer()
-            if code == WRITER_JOURNAL_REFUSED:
-                self._fail(_REFUSED)
-                return
-            log.error("the writer process ended (exit code %s); starting a new one", code)
-            while True:
-                now = time.monotonic()
-                while restarts and restarts[0] < now - RESTART_WINDOW_SECONDS:
-                    restarts.popleft()
-                if len(restarts) >= MAX_WRITER_RESTARTS:
-                    self._fail(f"the writer process ended or failed to start {len(restarts) + 1} times within"
-                               f" {RESTART_WINDOW_SECONDS:g} s; the service stops (exit 1) so that"
-                               " its supervisor restarts it")
-                    return
-                restarts.append(now)
-                await asyncio.sleep(restart_pause(len(restarts)))
-                if self._stopping:
-                    return
+            while not self._stopping:
                 try:
-                    await self._start_writer()
-                except WriterRefused:
-                    self._fail(_REFUSED)
-                    return
-                except Exception as exc:
-                    log.error("the new writer process did not start: %s", exc)
-                    await self._reap_writer()
+                    await self._connect_writer()
+                except (OSError, RuntimeError) as exc:
+                    log.info("the writer is not ready yet (%s); trying again", exc)
+                    await asyncio.sleep(0.2)
                     continue
+                self.writer_restarts += 1
+                log.info("connected to the new writer process")
                 break
-            self.writer_restarts += 1
-            log.warning("a new writer process is ready (restart %d); the journal was applied",
-                        self.writer_restarts)
-
-    async def _reap_writer(self) -> int | None:
-        """Wait for the writer process that went away to end (killing it if it lingers), so
-        that the operational file is free for the next one; its exit code."""
-        proc = self._writer_proc
-        try:
-            return await asyncio.to_thread(proc.wait, 10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            return await asyncio.to_thread(proc.wait)
-
-    def _fail(self, message: str) -> None:
-        self.fatal = message
-        self.writer_state = "down"
-        log.critical("%s", message)
-        if self.on_fatal is not None:
-            self.on_fatal()
 
     async def stop(self) -> None:
         self._stopping = True
@@ -199,13 +137,8 @@ class Runtime:
             task.cancel()
         if hasattr(self, "writer"):
             await self.writer.close()
-        if self.auth.nonce_log is not None:
-            self.auth.nonce_log.close()
-        if hasattr(self, "_writer_proc"):
-            try:
-                await asyncio.to_thread(self._writer_proc.wait, 30)
-            except subprocess.TimeoutExpired:
-                self._writer_proc.kill()
+        if self._shared is not None:
+            self._shared.close()
 
     async def write(self, op: Any) -> Any:
         """Send one op to the writer process; its failure arrives as the matching AppError."""
@@ -244,12 +177,10 @@ class Runtime:
                 self.refresh()
             except Exception:
                 log.exception("refresh failed")
-            nonce_log = self.auth.nonce_log
-            if nonce_log is not None:
-                try:
-                    await asyncio.to_thread(nonce_log.sync, self.clock.now().timestamp())
-                except Exception:
-                    log.exception("nonce log sync failed")
+            try:
+                await self.shared.tick()
+            except Exception:
+                log.exception("nonce log sync failed")
 
     # ---- request context --------------------------------------------------------------
     def realm(self, ctx: AuthContext) -> Realm:
@@ -269,24 +200,14 @@ class Runtime:
         return realm, ctx.billing_account_id
 
 
-_REFUSED = ("the writer process refused to start: its journal may have lost acknowledged groups"
-            " (its message above says which, and what to run)")
-
-
-def _read_hello(sock: socket.socket, proc: subprocess.Popen[bytes]) -> dict[str, Any]:
-    """Wait for the writer process to open the file and say it is ready."""
-    sock.settimeout(120)
+def read_hello(sock: socket.socket, wait: float) -> dict[str, Any]:
+    """Wait for the writer process to say it is ready (it has opened the file and applied
+    its journal); RuntimeError when it ends first, TimeoutError past `wait` seconds."""
+    sock.settimeout(wait)
     try:
         head = sock.recv(4, socket.MSG_WAITALL)
         if len(head) < 4:
-            try:
-                code = proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                code = None
-            if code == WRITER_JOURNAL_REFUSED:
-                raise WriterRefused(_REFUSED)
-            raise RuntimeError("the writer process could not open the data folder (its error is above;"
-                               " is another `tollgate serve` using this data folder?)")
+            raise RuntimeError("the writer process ended before it was ready")
         body = sock.recv(int.from_bytes(head, "big"), socket.MSG_WAITALL)
     finally:
         sock.settimeout(None)

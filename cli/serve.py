@@ -18,7 +18,7 @@ from pathlib import Path
 
 from cli.call import base_url
 from cli.catalog import apply_catalog
-from cli.shared import CommandError, DataDir, Host, Port
+from cli.shared import CommandError, DataDir, Host, Port, Workers
 from core.layout import DataFolder
 from core.logs import setup_logging
 from core.settings import Settings
@@ -26,11 +26,13 @@ from core.settings import Settings
 __all__ = ["serve"]
 
 
-def serve(*, host: Host = None, port: Port = None, data_dir: DataDir = None) -> int:
+def serve(*, host: Host = None, port: Port = None, data_dir: DataDir = None,
+          workers: Workers = None) -> int:
     """Run the service: the HTTP API, the writer and the flows' schedules.
 
     On its first start in a data folder it applies the demo catalog, creates a
     demo service key and prints how to call it. One service per data folder.
+    SIGTERM or SIGINT stops it gracefully (exit 0); docs/operations.md says how.
 
     Parameters
     ----------
@@ -38,20 +40,20 @@ def serve(*, host: Host = None, port: Port = None, data_dir: DataDir = None) -> 
         address to listen on (TOLLGATE_HOST; default 127.0.0.1)
     port
         port to listen on (TOLLGATE_PORT; default 8040)
+    workers
+        HTTP worker processes (TOLLGATE_WORKERS; default the number of cores it may use)
     """
-    # Imported here: uvicorn, the API and Prefect's launcher take a while to load, and the
-    # other commands (and --help) need none of them.
-    import uvicorn
-
-    from api.app import create_app
+    # Imported here: the API and Prefect's launcher take a while to load, and the other
+    # commands (and --help) need none of them.
     from api.metrics import clear_process_files
+    from api.supervisor import Supervisor
     from flows.launcher import FlowScheduler
 
-    settings = Settings.from_env(data_dir, host, port)
-    # JSON lines unless TOLLGATE_LOG_FORMAT says text; the writer and the scheduler inherit
-    # the environment, so the same choice reaches them (core.logs).
+    settings = Settings.from_env(data_dir, host, port, workers=workers)
+    # JSON lines unless TOLLGATE_LOG_FORMAT says text; the writer, the workers and the
+    # scheduler inherit the environment, so the same choice reaches them (core.logs).
     os.environ.setdefault("TOLLGATE_LOG_FORMAT", settings.log_format or "json")
-    setup_logging("http", settings.log_format or "json")
+    setup_logging("serve", settings.log_format or "json")
     try:
         settings.folder.create()  # 0700: it holds the service keys and every account's usage
     except OSError as exc:
@@ -74,40 +76,21 @@ def serve(*, host: Host = None, port: Port = None, data_dir: DataDir = None) -> 
                            f" {exc.strerror or exc}", 2) from None
     _bootstrap(settings)
     _prepare_lake(settings)
-    # The flows' schedules run in a process of their own beside the HTTP process and the
-    # writer; they read and write the lake only. The app stops them as it shuts down
-    # (uvicorn ends this process by the signal that stopped it, so the `finally` below is
-    # not sure to run).
-    clear_process_files(settings.folder.metrics)  # an earlier service's writer and scheduler
+    # The flows' schedules run in a process of their own beside the writer and the HTTP
+    # workers; they read and write the lake only (flows/launcher.py).
+    clear_process_files(settings.folder.metrics)  # an earlier service's
     scheduler = FlowScheduler.start(settings)
-    app = create_app(settings, on_stop=[scheduler.stop])
     _banner(settings)
-    from api.http_protocol import http_protocol
-
-    _raise_open_files(settings)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, loop="uvloop",
-                            http=http_protocol(settings), lifespan="on", log_level="warning",
-                            log_config=None,  # uvicorn's records go through core.logs
-                            access_log=False,  # api/observe.py writes the access log
-                            timeout_keep_alive=settings.keep_alive_seconds, proxy_headers=False)
-    server = uvicorn.Server(config)
-    runtime = app.state.runtime
-    # A writer that cannot be kept running (it refused its journal, or ended too often) stops
-    # the server as a signal would, and this command then exits 1 so its supervisor acts.
-    runtime.on_fatal = lambda: setattr(server, "should_exit", True)
+    _raise_open_files(settings)  # the workers inherit the limit
+    sock.listen(2048)
+    supervisor = Supervisor(settings, sock,
+                            on_stop=lambda: scheduler.stop(timeout=settings.stop_seconds * 0.8))
     try:
-        server.run(sockets=[sock])
-    except KeyboardInterrupt:
-        # uvicorn re-raises Ctrl-C once it has shut down gracefully: nothing more to report.
-        return 130
+        code = supervisor.run()
     finally:
-        scheduler.stop()
-    if runtime.fatal is not None:
-        raise CommandError(runtime.fatal, 1)
-    if not server.started:
-        # The app's start failed (a writer that refused its journal, say): uvicorn returns
-        # quietly after logging it, and a service that never served must not exit 0.
-        raise CommandError("the service did not start (the reason is above)", 1)
+        scheduler.stop(timeout=1.0)  # stopped already, unless the start failed
+    if code != 0:
+        raise CommandError(supervisor.fatal or "the service did not start (the reason is above)", 1)
     return 0
 
 

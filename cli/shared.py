@@ -16,7 +16,7 @@ from cyclopts import Parameter, Token
 
 from core.settings import parse_port
 
-__all__ = ["OPTIONS", "CommandError", "DataDir", "Host", "Port"]
+__all__ = ["OPTIONS", "CommandError", "DataDir", "Host", "Port", "Workers"]
 
 
 # The heading of the flags on every help page (cyclopts says "Parameters"); a group's App
@@ -44,3 +44,13 @@ DataDir = Annotated[str | None, Parameter(
 # What the address means differs (listen on it, or send to it): each command's docstring says.
 Host = Annotated[str | None, Parameter(name="--host", metavar="HOST")]
 Port = Annotated[int | None, Parameter(name="--port", metavar="PORT", converter=_port)]
+
+
+def _workers(hint: Any, tokens: Sequence[Token]) -> int:
+    text = tokens[0].value
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"--workers must be a whole number, 1 or more, not {text!r}")
+    return int(text)
+
+
+Workers = Annotated[int | None, Parameter(name="--workers", metavar="N", converter=_workers)]

@@ -12,6 +12,7 @@
     reports/             usage reports as Parquet, written by publish-usage-reports;
                          `charts/` its usage charts, one PNG per account and month
     .serve.lock          held by the one `tollgate serve` of this folder
+    writer.sock          the writer's Unix socket, where each HTTP worker connects
     metrics/             `writer.prom` and `scheduler.prom`: those processes' Prometheus
                          metrics, rewritten as they change, served by the HTTP process
     prefect-api.json     the address of the folder's local Prefect API (`flows.prefect_api`);
@@ -27,7 +28,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["PRIVATE_UMASK", "DataFolder", "keep_private"]
+__all__ = ["PRIVATE_UMASK", "DataFolder", "keep_private", "unix_socket_call"]
 
 PRIVATE_UMASK = 0o077
 
@@ -66,6 +67,10 @@ class DataFolder:
     @property
     def keys(self) -> Path:
         return self.root / "keys.json"
+
+    @property
+    def writer_socket(self) -> Path:
+        return self.root / "writer.sock"
 
     @property
     def nonces(self) -> Path:
@@ -116,3 +121,18 @@ class DataFolder:
     @property
     def prefect_api_lock(self) -> Path:
         return self.root / ".prefect-api.lock"
+
+
+def unix_socket_call(path: Path, call: object) -> None:
+    """`call(address)` (a socket's bind or connect) with an address for the Unix socket at
+    `path`: the path itself, or, past what a socket address holds (108 bytes), the same file
+    reached through this process's handle on its folder."""
+    name = str(path)
+    if len(name.encode()) < 100:
+        call(name)  # type: ignore[operator]
+        return
+    folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        call(f"/proc/self/fd/{folder}/{path.name}")  # type: ignore[operator]
+    finally:
+        os.close(folder)

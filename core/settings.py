@@ -18,6 +18,8 @@ them see the same settings.
 | TOLLGATE_LOG_FORMAT               | json under `serve`, else text | `json` (one JSON object a line) or `text` (`core.logs`) |
 | TOLLGATE_LOG_LEVEL                | INFO         | the lowest level logged                    |
 | TOLLGATE_METRICS                  | on           | Prometheus metrics: `on` (GET /metrics on the API's address), `off`, or `HOST:PORT` (a listener of their own) |
+| TOLLGATE_WORKERS                  | the cores this process may use | HTTP worker processes of `serve` (`--workers`; docs/operations.md) |
+| TOLLGATE_STOP_SECONDS             | 10           | how long `serve` takes at most to stop on SIGTERM or SIGINT (docs/operations.md) |
 
 The HTTP process's limits (docs/api.md, "Limits"), each a positive number:
 
@@ -44,7 +46,7 @@ from pathlib import Path
 
 from core.layout import DataFolder
 
-__all__ = ["ConfigError", "Settings", "parse_port"]
+__all__ = ["ConfigError", "Settings", "parse_port", "usable_cores"]
 
 _OFF = ("off", "0", "false", "no")
 _ON = ("on", "1", "true", "yes", "")
@@ -71,6 +73,15 @@ def parse_port(text: str | int, name: str = "the port") -> int:
     if not 1 <= port <= 65535:
         raise ConfigError(f"{name} must be a port number from 1 to 65535, not {str(text)!r}")
     return port
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which a container's cpuset or
+    `taskset` narrows), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
 
 
 def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -199,10 +210,15 @@ class Settings:
     log_format: str = ""
     # TOLLGATE_METRICS: "on", "off" or "HOST:PORT" (see `metrics_address`).
     metrics: str = "on"
+    # HTTP worker processes of `tollgate serve` (`api.supervisor`).
+    workers: int = 1
+    # The whole graceful stop of `tollgate serve`, from the signal to its exit.
+    stop_seconds: float = 10.0
 
     @staticmethod
     def from_env(data_dir: str | os.PathLike[str] | None = None, host: str | None = None,
-                 port: int | None = None, env: Mapping[str, str] | None = None) -> Settings:
+                 port: int | None = None, env: Mapping[str, str] | None = None,
+                 workers: int | None = None) -> Settings:
         env = os.environ if env is None else env
         folder = Path(data_dir or env.get("TOLLGATE_DATA_DIR") or "var").resolve()
         if folder.exists() and not folder.is_dir():
@@ -220,6 +236,9 @@ class Settings:
             writer_deadline_seconds=_positive_seconds(env, "TOLLGATE_WRITER_DEADLINE_SECONDS", 10.0),
             log_format=_log_format(env),
             metrics=_metrics(env),
+            workers=workers if workers is not None else
+            _positive_int(env, "TOLLGATE_WORKERS", usable_cores()),
+            stop_seconds=_positive_seconds(env, "TOLLGATE_STOP_SECONDS", 10.0),
             max_body_bytes=_positive_int(env, "TOLLGATE_MAX_BODY_BYTES", 16 * 1024 * 1024),
             max_header_bytes=_positive_int(env, "TOLLGATE_MAX_HEADER_BYTES", 32 * 1024),
             max_headers=_positive_int(env, "TOLLGATE_MAX_HEADERS", 100),

@@ -154,7 +154,9 @@ class Service:
             [sys.executable, "-m", "cli", "serve", "--port", str(self.port),
              "--data-dir", str(self.data_dir)],
             stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
+            # Two HTTP workers unless the environment or the test says otherwise, so that what
+            # must hold across workers (api.shared) is exercised by every server-level test.
+            env={"TOLLGATE_WORKERS": "2", **os.environ, "PYTHONUNBUFFERED": "1", **self.env},
         )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

@@ -211,7 +211,7 @@ def test_a_writer_that_keeps_dying_makes_the_service_exit_1_for_its_supervisor(
     import time
     from pathlib import Path
 
-    from api.runtime import MAX_WRITER_RESTARTS
+    from api.supervisor import MAX_WRITER_RESTARTS
 
     if not Path("/proc").is_dir():
         return

@@ -1,18 +1,19 @@
-"""The runtime's supervision of the writer (api/runtime.py), with stand-ins for the writer
-process: a writer that ends is restarted; restarts are bounded; a writer that refuses its
+"""The supervision of the writer by the service's parent process (api/supervisor.py), with
+stand-ins for the writer process: a writer that ends is restarted; restarts are bounded; a writer that refuses its
 journal stops the service rather than loop. (The real process is killed under load in
 tests/test_durability.py.)"""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-import api.runtime as runtime_module
-from api.runtime import MAX_WRITER_RESTARTS, Runtime, WriterRefused
+import api.supervisor as runtime_module
+from api.supervisor import MAX_WRITER_RESTARTS, Supervisor, WriterRefused
 from core.constants import WRITER_JOURNAL_REFUSED
 from core.settings import Settings
 
@@ -41,15 +42,22 @@ class _Writer:
         self.closed = True
 
 
-def _runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exit_code: int = -9) -> tuple[Runtime, list[str]]:
+class _Supervisor(Supervisor):
+    stopped: list[str]
+
+    def _fail(self, message: str) -> None:
+        super()._fail(message)
+        self.stopped.append(message)
+
+
+def _runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exit_code: int = -9) -> tuple[Supervisor, list[str]]:
     monkeypatch.setattr(runtime_module, "restart_pause", lambda n: 0.0)
-    runtime = Runtime(Settings(data_dir=tmp_path))
-    runtime.writer = _Writer()  # type: ignore[assignment]
+    runtime = _Supervisor(Settings(data_dir=tmp_path), socket.socket())
+    runtime.writer = _Writer()
     runtime._writer_proc = _Proc(exit_code)  # type: ignore[assignment]
     runtime.writer_state = "running"
-    stopped: list[str] = []
-    runtime.on_fatal = lambda: stopped.append(runtime.fatal or "")
-    return runtime, stopped
+    runtime.stopped = []
+    return runtime, runtime.stopped
 
 
 def test_a_writer_that_ends_is_restarted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,6 +21,10 @@ Wire: frames of a 4-byte big-endian length and a msgpack body. Request `[id, op]
 A request the writer cannot decode is answered with a 500 when its id can be read, and
 skipped (logged) when not: a bad frame never ends the writer.
 
+With several HTTP workers (`tollgate serve --workers N`), each worker has a connection of its
+own, accepted on a listening Unix socket the service passes to the writer; ops of every
+connection go into the same groups, and each reply goes back on its request's connection.
+
 The client gives every op a deadline: an op still unanswered after it fails with 503
 `STORAGE.UNAVAILABLE`, and its late reply, if one comes, is dropped. When the writer's end
 closes, every op in flight fails at once the same way and `lost` completes (the service's
@@ -170,8 +174,17 @@ def run_writer(
     after_group: Callable[[JournaledStore], None] | None = None,
     on_group: Callable[[int, float, bool], None] | None = None,
     clock: Clock = SYSTEM_CLOCK,
+    listener: socket.socket | None = None,
+    greeting: bytes = b"",
 ) -> None:
-    """The writer process's loop; returns when the service closes its end of the socket.
+    """The writer process's loop; returns when the service closes its end of `sock`.
+
+    `sock` is the service's own connection (its end of a socket pair). With `listener`, a
+    listening Unix socket, the writer also accepts connections on it, one per HTTP worker
+    of the service, sends each `greeting` (a frame) first, and answers every op on the
+    connection it came from; a group takes the ops of every connection that has some
+    waiting. A worker's connection that closes (the worker ended) is dropped; only the end
+    of `sock` ends the loop.
 
     `tick` runs every `tick_seconds` between groups (lease expiry and other timed work), on
     the connection, right after the waiting rows were handed to the applier (they may not be
@@ -179,28 +192,45 @@ def run_writer(
     runs after each group's replies are sent; `on_group` is told each group's number of ops,
     its time from the first decision to the durable commit (seconds), and whether it
     committed (the writer's metrics)."""
-    buf = bytearray()
     next_tick = time.monotonic() + tick_seconds
     sock.setblocking(False)
+    # Every connection that carries ops, by file number: its socket and unread bytes.
+    peers: dict[int, tuple[socket.socket, bytearray]] = {sock.fileno(): (sock, bytearray())}
+    if listener is not None:
+        listener.setblocking(False)
     while True:
         wait = max(0.0, next_tick - time.monotonic())
-        readable, _, _ = select.select([sock], [], [], wait)
+        watched: list[Any] = [s for s, _ in peers.values()]
+        if listener is not None:
+            watched.append(listener)
+        readable, _, _ = select.select(watched, [], [], wait)
         if readable:
-            try:
-                while True:
-                    chunk = sock.recv(4 << 20)
-                    if not chunk:
-                        return
-                    buf += chunk
-            except BlockingIOError:
-                pass
             requests: list[tuple[int, Any]] = []
             refused: list[tuple[int, bool, Any]] = []
-            for frame in _frames(buf):
-                try:
-                    requests.append(decode_request(frame))
-                except Exception as exc:
-                    _refuse_frame(frame, exc, refused)
+            # A request's place in the group -> its connection and its id there.
+            origin: list[tuple[socket.socket, int]] = []
+            for ready in readable:
+                if ready is listener:
+                    _accept(listener, peers, greeting)
+                    continue
+                peer, buf = peers[ready.fileno()]
+                if not _receive(peer, buf):
+                    if peer is sock:
+                        return
+                    _drop(peers, peer)
+                    continue
+                theirs: list[tuple[int, bool, Any]] = []
+                for frame in _frames(buf):
+                    try:
+                        rid, op = decode_request(frame)
+                    except Exception as exc:
+                        _refuse_frame(frame, exc, theirs)
+                        continue
+                    requests.append((len(origin), op))
+                    origin.append((peer, rid))
+                for rid, ok, value in theirs:
+                    refused.append((len(origin), ok, value))
+                    origin.append((peer, rid))
             if requests or refused:
                 replies: list[Any] = []
                 if requests:
@@ -208,9 +238,9 @@ def run_writer(
                     replies, committed = _run_group(store, requests, handlers, on_rollback, clock.now())
                     if on_group is not None:
                         on_group(len(requests), time.perf_counter() - began, committed)
-                sock.setblocking(True)
-                sock.sendall(b"".join(_reply_frame(r) for r in replies + refused))
-                sock.setblocking(False)
+                _answer(peers, origin, replies + refused)
+                if sock.fileno() < 0:
+                    return  # the service's own end went away
                 if after_group is not None:
                     # Work that follows a durable group and must never change its replies
                     # (such as rating newly accepted single events inline).
@@ -233,6 +263,66 @@ def run_writer(
             except Exception:
                 log.exception("writer tick failed")
             next_tick = time.monotonic() + tick_seconds
+
+
+def _accept(listener: socket.socket, peers: dict[int, tuple[socket.socket, bytearray]],
+            greeting: bytes) -> None:
+    """Take every connection waiting on `listener`, greeting each."""
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            log.exception("accepting a connection failed")
+            return
+        try:
+            conn.setblocking(True)
+            if greeting:
+                conn.sendall(greeting)
+            conn.setblocking(False)
+        except OSError:
+            conn.close()
+            continue
+        peers[conn.fileno()] = (conn, bytearray())
+
+
+def _receive(peer: socket.socket, buf: bytearray) -> bool:
+    """Append what `peer` has to `buf`; False once its other end has closed."""
+    try:
+        while True:
+            chunk = peer.recv(4 << 20)
+            if not chunk:
+                return False
+            buf += chunk
+    except (BlockingIOError, InterruptedError):
+        return True
+    except OSError:
+        return False
+
+
+def _drop(peers: dict[int, tuple[socket.socket, bytearray]], peer: socket.socket) -> None:
+    peers.pop(peer.fileno(), None)
+    peer.close()
+
+
+def _answer(peers: dict[int, tuple[socket.socket, bytearray]],
+            origin: list[tuple[socket.socket, int]], replies: list[tuple[int, bool, Any]]) -> None:
+    """Send each reply on the connection its request came from, under that request's id."""
+    outgoing: dict[socket.socket, list[bytes]] = {}
+    for place, ok, value in replies:
+        peer, rid = origin[place]
+        outgoing.setdefault(peer, []).append(_reply_frame((rid, ok, value)))
+    for peer, frames in outgoing.items():
+        if peer.fileno() < 0:
+            continue
+        try:
+            peer.setblocking(True)
+            peer.sendall(b"".join(frames))
+            peer.setblocking(False)
+        except OSError:
+            # The worker went away with its requests; the others keep their answers.
+            _drop(peers, peer)
 
 
 def _run_group(store: JournaledStore, requests: list[tuple[int, Any]],

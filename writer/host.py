@@ -1,10 +1,12 @@
-"""The writer process: `python -m writer.host --fd N --data-dir D`.
+"""The writer process: `python -m writer.host --fd N [--listen-fd L] --data-dir D`.
 
-Started by the service with one end of a socket pair. It opens the operational file (the
+Started by the service with one end of a socket pair (`--fd`) and, when the service runs HTTP
+workers, a listening Unix socket (`--listen-fd`) on which each worker connects and gets the
+same "ready" frame first. It opens the operational file (the
 only process that does), applies what its journal holds beyond it, rebuilds in-memory state
 from it, says it is ready, and then runs the group-commit loop of `warehouse.writer` with
 the handlers of every write op. It exits
-when the service's end closes, and, on Linux, when the service dies (PR_SET_PDEATHSIG), so
+when the service's end of the pair closes, and, on Linux, when the service dies (PR_SET_PDEATHSIG), so
 a killed service never leaves the file locked.
 """
 
@@ -111,6 +113,7 @@ def _die_with_parent() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--listen-fd", type=int, default=None)
     parser.add_argument("--data-dir", required=True)
     args = parser.parse_args(argv)
     keep_private()  # the operational file and the journal: 0600
@@ -215,14 +218,17 @@ def main(argv: list[str] | None = None) -> int:
                                     "events": len(outbox)})
     log.info("writer ready: schema version %d, %d events, journal group %d",
              schema_version(conn), len(outbox), store.seq)
-    sock.sendall(len(hello).to_bytes(4, "big") + hello)
+    greeting = len(hello).to_bytes(4, "big") + hello
+    sock.sendall(greeting)
+    listener = socket.socket(fileno=args.listen_fd) if args.listen_fd is not None else None
     # The lake export runs beside the writer loop on a cursor of its own, so lake commits
     # never hold up a group.
     stop = threading.Event()
     exporter_thread = run_exporter_thread(conn, settings.data_dir, stop, exporter=exporter)
     run_writer(store, sock, decode_request, handlers, on_rollback=rebuild, tick=tick, clock=clock,
                after_group=after_group, tick_seconds=0.25,
-               on_group=metrics.on_group if metrics is not None else None)
+               on_group=metrics.on_group if metrics is not None else None,
+               listener=listener, greeting=greeting)
     rate_singles()  # what the last tick did not reach
     store.close()  # everything into the file first, so the exporter's last round ships it
     stop.set()

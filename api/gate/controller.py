@@ -17,6 +17,8 @@ from litestar import Controller, Request, post
 from api.auth import AuthContext
 from api.envelope import Reply, error_reply, ok, trace_id_of
 from api.errors import AppError, BadRequest, Conflict, Forbidden, Unprocessable
+from api.gate.limits import RateLimiter
+from api.gate.limits import refusal as rate_refusal
 from api.requests import read_signed
 from api.runtime import Runtime
 from core.constants import INT64_MAX
@@ -223,18 +225,17 @@ async def _handle(request: Any, endpoint: str, decide: Any) -> Reply:
         idem = IdemKey(realm.id, ctx.principal_id, endpoint, ctx.idempotency_key,
                        hashlib.sha256(raw).hexdigest())
     call = _Call(runtime, ctx, realm, ctx.principal_id, account, body, idem)
-    in_flight = runtime.idempotency_in_flight
+    # In flight once across every worker of the service (`api.shared`).
+    shared = runtime.shared
     scope = ((realm.id, ctx.principal_id, endpoint, ctx.idempotency_key)
              if idem and ctx.idempotency_key is not None else None)
-    if scope is not None:
-        if scope in in_flight:
-            raise Conflict("IDEMPOTENCY.IN_PROGRESS", "a request with this Idempotency-Key is in flight")
-        in_flight.add(scope)
+    if scope is not None and not await shared.acquire(scope):
+        raise Conflict("IDEMPOTENCY.IN_PROGRESS", "a request with this Idempotency-Key is in flight")
     try:
         outcome: GateOutcome = await decide(call)
     finally:
         if scope is not None:
-            in_flight.discard(scope)
+            shared.release(scope)
     return _render(trace_id_of(request.scope), outcome)
 
 
@@ -269,8 +270,15 @@ async def _authorize(call: _Call) -> GateOutcome:
             status=422, code="RESOURCE.NOT_FOUND",
             message=f"unknown or inactive feature {feature_code!r}"
                     + (f" in family {family!r}" if family is not None else "")))
-    refusal = call.runtime.rate_limiter.admit(call.realm, feature.code, call.principal, call.account, call.runtime.clock.now())
-    if refusal is not None:
+    plan = RateLimiter.plan(call.realm, feature.code, call.principal, call.account)
+    refused = None
+    if plan:
+        # Counted for every worker of the service in one place (`api.shared`).
+        stamp = call.runtime.clock.now().timestamp()
+        counted = await call.runtime.shared.admit(plan, stamp)
+        refused = None if counted is None else rate_refusal(*counted, stamp)
+    if refused is not None:
+        refusal = refused
         limited = GateOutcome(
             status=429, code="LIMIT.RATE_EXCEEDED", message="rate limit exceeded; retry later",
             headers={"Retry-After": str(refusal.retry_after_seconds)},

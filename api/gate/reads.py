@@ -6,7 +6,7 @@ limits (requests per fixed window) with the requests counted in the window open 
 meter's view adds the price row in force and, for a prepaid account, how much of the meter
 its available funds would buy. The counts come from the writer (`writer.ops.StandingOp`),
 answered in queue order, so a read sees every gate call answered before it; the rate windows
-come from this process, which counts them.
+come from the one place that counts them for every HTTP worker (`api.shared`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from litestar import Controller, Request, get
 
 from api.envelope import Reply, ok
 from api.gate.controller import gate_context
+from api.gate.limits import RateLimiter, RateWindowUse, window_uses
 from api.requests import read_signed
 from api.runtime import Runtime
 from pipelines.catalog import Feature, Quota, Realm
@@ -100,7 +101,7 @@ class LimitsController(Controller):
                       "window_start": format_instant(w.window_start), "window_end": format_instant(w.window_end),
                       "limit_minor": str(w.limit), "used_minor": str(w.used),
                       "remaining_minor": str(max(0, w.limit - w.used))}
-                     for w in runtime.rate_limiter.windows(realm, feature.code, principal, account, now)]
+                     for w in await _rate_windows(runtime, realm, feature.code, principal, account, now)]
             meter = realm.meters.get(feature.primary_meter)
             out.append({"feature_code": feature.code, "feature_family_code": feature.family,
                         "unit": meter.unit if meter else None, "primary_meter": feature.primary_meter,
@@ -149,3 +150,12 @@ class LimitsController(Controller):
                                         "advisory": True, "as_of": standing.as_of}
             out.append(view)
         return ok(out)
+
+
+async def _rate_windows(runtime: Runtime, realm: Realm, feature_code: str, principal: str, account: str,
+                        now: datetime) -> list[RateWindowUse]:
+    """The rate windows open now, as counted for every worker of the service (`api.shared`)."""
+    plan = RateLimiter.plan(realm, feature_code, principal, account)
+    if not plan:
+        return []
+    return window_uses(realm, plan, await runtime.shared.used(plan, now.timestamp()), now)
