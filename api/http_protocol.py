@@ -19,7 +19,10 @@ buffers a header of any size, a connection that never sends a request is never c
 request whose body stalls holds its connection, and the shutdown, for good.
 
 - Open connections: past `max_connections`, a new one is answered 503 `SERVICE.BUSY` with
-  `Retry-After` and closed.
+  `Retry-After` and closed. With several HTTP workers the cap is the service's, not each
+  worker's: every worker publishes its count in a slot of a block of memory shared with the
+  others (`ConnectionCount`) and adds up the slots as a connection arrives (workers accepting
+  at the same instant may pass the cap by one each).
 - The head: at most `max_header_bytes` (counted as the bytes arrive, so httptools never holds
   more) and `max_headers` lines, else 431 `REQUEST.HEADERS_TOO_LARGE`; it must be complete
   `header_timeout` seconds after the connection opens or its request's first byte arrives,
@@ -38,6 +41,7 @@ request whose body stalls holds its connection, and the shutdown, for good.
 from __future__ import annotations
 
 import asyncio
+import struct
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -47,7 +51,7 @@ from api.envelope import error_reply, new_trace_id
 from api.errors import AppError, BadRequest, ServiceUnavailable
 from core.settings import Settings
 
-__all__ = ["Limits", "OneWriteHttpToolsProtocol", "http_protocol"]
+__all__ = ["ConnectionCount", "Limits", "OneWriteHttpToolsProtocol", "http_protocol"]
 
 # After a refusal, what the client still sends is read and dropped for this long / this much.
 LINGER_SECONDS = 1.0
@@ -68,6 +72,31 @@ class Limits:
     def of(settings: Settings) -> Limits:
         return Limits(settings.max_header_bytes, settings.max_headers, settings.header_timeout_seconds,
                       settings.request_timeout_seconds, settings.max_connections)
+
+
+class ConnectionCount:
+    """The open connections of every HTTP worker: a slot of 8 bytes per worker in a shared
+    block of memory (a memfd made by the parent, `api.supervisor`). A worker writes only its
+    own slot, so no lock is needed; it reads them all to decide."""
+
+    def __init__(self, fd: int, workers: int, index: int) -> None:
+        import mmap
+
+        self._map = mmap.mmap(fd, 8 * workers)
+        self._all = struct.Struct(f"<{workers}q")
+        self._offset = 8 * (index - 1)
+        self._index = index - 1
+
+    def publish(self, count: int) -> None:
+        _SLOT.pack_into(self._map, self._offset, count)
+
+    def total(self, own: int) -> int:
+        """Every worker's count, this one's being `own`."""
+        counts: tuple[int, ...] = self._all.unpack_from(self._map, 0)
+        return sum(counts) - counts[self._index] + own
+
+
+_SLOT = struct.Struct("<q")
 
 
 class _Refused(Exception):
@@ -130,6 +159,8 @@ class _OneWriteTransport:
 class OneWriteHttpToolsProtocol(HttpToolsProtocol):
     # None: no limits (the class itself); `http_protocol(settings)` makes a subclass with them.
     limits: ClassVar[Limits | None] = None
+    # The other workers' connections too, when there are other workers.
+    counter: ClassVar[ConnectionCount | None] = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -149,7 +180,11 @@ class OneWriteHttpToolsProtocol(HttpToolsProtocol):
         limits = self.limits
         if limits is None:
             return
-        if len(self.connections) > limits.max_connections:
+        own = len(self.connections)
+        counter = self.counter
+        if counter is not None:
+            counter.publish(own)
+        if (own if counter is None else counter.total(own)) > limits.max_connections:
             self._refuse(ServiceUnavailable(
                 "SERVICE.BUSY", f"the service holds {limits.max_connections} connections; retry later",
                 headers={"Retry-After": "1"}))
@@ -160,6 +195,8 @@ class OneWriteHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timer()
         super().connection_lost(exc)
+        if self.counter is not None:
+            self.counter.publish(len(self.connections))
 
     def data_received(self, data: bytes) -> None:
         if self._lingering:
@@ -324,13 +361,15 @@ class OneWriteHttpToolsProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
-def http_protocol(settings: Settings | None = None) -> type[HttpToolsProtocol]:
+def http_protocol(settings: Settings | None = None,
+                  counter: ConnectionCount | None = None) -> type[HttpToolsProtocol]:
     """The protocol class for `uvicorn.Config(http=...)`: with `settings`, one that holds
-    their limits."""
+    their limits; with `counter`, the connection cap counts every worker's connections."""
     if not hasattr(HttpToolsProtocol, "_start_asgi_task"):
         return HttpToolsProtocol
     if settings is None:
         return OneWriteHttpToolsProtocol
     limited: type[OneWriteHttpToolsProtocol] = type(
-        "LimitedHttpToolsProtocol", (OneWriteHttpToolsProtocol,), {"limits": Limits.of(settings)})
+        "LimitedHttpToolsProtocol", (OneWriteHttpToolsProtocol,),
+        {"limits": Limits.of(settings), "counter": counter})
     return limited

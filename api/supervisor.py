@@ -146,6 +146,7 @@ class Supervisor:
         self._stop = asyncio.Event()
         self._worker_restart_times: deque[float] = deque()
         self.book: StateBook | None = None
+        self._connections_fd: int | None = None  # the workers' connection counts
 
     # ---- the whole life ------------------------------------------------------------------
     def run(self) -> int:
@@ -168,6 +169,8 @@ class Supervisor:
             await self._stop_all()
             return 1
         if self.settings.workers > 1:
+            self._connections_fd = os.memfd_create("tollgate-connections")
+            os.ftruncate(self._connections_fd, 8 * self.settings.workers)
             self.book = StateBook(self.settings.signature_skew_seconds,
                                   NonceLog(self.settings.folder.nonces, self.settings.signature_skew_seconds))
         for index in range(1, self.settings.workers + 1):
@@ -316,6 +319,9 @@ class Supervisor:
             ours, theirs = socket.socketpair()
             keep.append(theirs.fileno())
             argv += ["--state-fd", str(theirs.fileno())]
+        if self._connections_fd is not None:
+            keep.append(self._connections_fd)
+            argv += ["--connections-fd", str(self._connections_fd)]
         # Started from this (the main) thread: PR_SET_PDEATHSIG follows the thread that
         # started a child, and the worker ends with this process.
         proc = subprocess.Popen(argv, pass_fds=keep, env=_child_environment(
@@ -368,6 +374,8 @@ class Supervisor:
                 self.worker_restarts += 1
 
     def _forget(self, worker: _Worker) -> None:
+        if self._connections_fd is not None:  # its connections are gone with it
+            os.pwrite(self._connections_fd, bytes(8), 8 * (worker.index - 1))
         if self.settings.metrics_on:
             try:
                 worker_ended(self.settings.folder.metrics, worker.proc.pid)

@@ -2,7 +2,9 @@
 
 Started by the service's parent process (`api.supervisor`) with the listening TCP socket it
 bound (`--listen-fd`), a pipe to say it is ready on (`--ready-fd`) and, when the service runs
-more than one worker, its end of a socket pair to the parent (`--state-fd`, `api.shared`). It
+more than one worker, its end of a socket pair to the parent (`--state-fd`, `api.shared`) and
+the memory where the workers count their connections (`--connections-fd`,
+`api.http_protocol.ConnectionCount`). It
 serves the Litestar app with uvicorn on that socket and connects to the writer on the data
 folder's `writer.sock` (`api.runtime`).
 
@@ -43,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--listen-fd", type=int, required=True)
     parser.add_argument("--ready-fd", type=int, required=True)
     parser.add_argument("--state-fd", type=int, default=None)
+    parser.add_argument("--connections-fd", type=int, default=None)
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--workers", type=int, required=True)
     args = parser.parse_args(argv)
@@ -51,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from api.app import create_app
-    from api.http_protocol import http_protocol
+    from api.http_protocol import ConnectionCount, http_protocol
     from api.shared import RemoteState
     from core.layout import keep_private
     from core.logs import setup_logging
@@ -73,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(settings, shared=shared, worker=args.index)
     app.on_startup.append(lambda _app: ready())
     listen = socket.socket(fileno=args.listen_fd)
-    config = uvicorn.Config(app, loop="uvloop", http=http_protocol(settings), lifespan="on",
+    counter = (ConnectionCount(args.connections_fd, args.workers, args.index)
+               if args.connections_fd is not None else None)
+    config = uvicorn.Config(app, loop="uvloop", http=http_protocol(settings, counter), lifespan="on",
                             log_level="warning", log_config=None,  # through core.logs
                             access_log=False,  # api/observe.py writes the access log
                             timeout_keep_alive=settings.keep_alive_seconds, proxy_headers=False,
