@@ -4,6 +4,8 @@ account), p50/p99 of each call, and in the same run the HTTP limit: GET /healthz
 body, no writer) on the same server with the same client.
 
     python bench/gate.py [--pairs 20000] [--clients 32]
+
+The server runs with its default HTTP workers (the usable cores), or TOLLGATE_WORKERS.
 """
 
 from __future__ import annotations
@@ -99,7 +101,8 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=20000)
     parser.add_argument("--clients", type=int, default=32)
     args = parser.parse_args()
-    print(f"nproc={os.cpu_count()}  python={sys.version.split()[0]}")
+    print(f"nproc={os.cpu_count()}  python={sys.version.split()[0]}"
+          f"  workers={os.environ.get('TOLLGATE_WORKERS', 'default (the usable cores)')}")
     catalog = bench_catalog(args.clients)
     server = start_server(catalog)
     shutil.rmtree(catalog.parent, ignore_errors=True)
