@@ -15,9 +15,8 @@ socket pair per worker.
 
 Supervision:
 - A worker that ends is started again (at once, then after a growing pause); at most
-  `MAX_RESTARTS` restarts of workers within `RESTART_WINDOW_SECONDS`, then the service exits 1.
-  A worker that ends before it was ever ready stops the service (exit 1): it would not start
-  the next time either.
+  `MAX_RESTARTS` restarts of workers within `RESTART_WINDOW_SECONDS`, then the service exits 1
+  (so a worker that cannot start stops the service after about 15 s of tries).
 - A writer that ends is started again the same way (it applies the journal, so nothing
   acknowledged is lost); the workers connect to the new one on their own. Past the bound, or
   when the writer refuses its journal (no restart can fix that), the service exits 1 so that
@@ -353,10 +352,6 @@ class Supervisor:
                     if self._stop.is_set():
                         return
                 self._forget(worker)
-                if not worker.ready:
-                    self._fail(f"HTTP worker {index} ended before it was ready (exit code {code});"
-                               " the service stops (exit 1)")
-                    return
                 now = time.monotonic()
                 times = self._worker_restart_times
                 while times and times[0] < now - RESTART_WINDOW_SECONDS:
@@ -366,7 +361,8 @@ class Supervisor:
                                " the service stops (exit 1) so that its supervisor restarts it")
                     return
                 times.append(now)
-                log.error("HTTP worker %d ended (exit code %s); starting a new one", index, code)
+                log.error("HTTP worker %d ended (exit code %s%s); starting a new one", index, code,
+                          "" if worker.ready else ", before it was ready")
                 await asyncio.sleep(restart_pause(len(times)))
                 if self._stopping:
                     return

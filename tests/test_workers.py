@@ -172,6 +172,7 @@ def test_a_disabled_key_is_refused_by_every_worker_within_the_bound(two: Service
 
 
 def test_a_worker_that_dies_is_replaced_and_the_service_keeps_answering(two: Service) -> None:
+    pinned(two)  # both ready
     workers = processes_of(two.data_dir, "api.worker")
     assert len(workers) == 2
     assert two.proc is not None
