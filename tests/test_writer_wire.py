@@ -128,3 +128,47 @@ def test_a_frame_the_writer_cannot_decode_is_answered_when_it_can_and_the_writer
     ours.close()  # the service's end closes: the loop returns
     thread.join(10)
     assert ended == [None]
+
+
+def test_each_worker_connection_gets_the_greeting_and_its_own_replies(tmp_path: Any) -> None:
+    """With a listener (`tollgate serve --workers N`), every connection is greeted, ops of all
+    connections are answered each on its own (the same request id on two connections), a
+    connection that closes is dropped, and only the service's own end ends the loop."""
+    control, theirs = socket.socketpair()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "w.sock"))
+    listener.listen(8)
+    decoder = msgspec.msgpack.Decoder(tuple[int, Ping])
+    greeting = _frame({"ready": True})
+    ended: list[BaseException | None] = []
+
+    def writer() -> None:
+        try:
+            run_writer(_Store(), theirs, decoder.decode, {Ping: _Double()},  # type: ignore[arg-type,dict-item]
+                       on_rollback=lambda store: None, tick_seconds=30, listener=listener, greeting=greeting)
+            ended.append(None)
+        except BaseException as exc:
+            ended.append(exc)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    workers = []
+    for _ in range(3):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(str(tmp_path / "w.sock"))
+        assert _read_frames(sock, 1) == [{"ready": True}]
+        workers.append(sock)
+    for n, sock in enumerate(workers):
+        sock.sendall(_frame((1, Ping(n))) + _frame((2, Ping(100 + n))))
+    for n, sock in enumerate(workers):
+        assert sorted(_read_frames(sock, 2)) == [[1, True, 2 * n], [2, True, 2 * (100 + n)]]
+    workers[0].close()  # a worker ends: the others go on
+    workers[1].sendall(_frame((3, Ping(7))))
+    assert _read_frames(workers[1], 1) == [[3, True, 14]]
+    assert thread.is_alive() and ended == []
+    control.close()  # the service's own end: the loop returns
+    thread.join(10)
+    assert ended == [None]
+    for sock in workers[1:]:
+        sock.close()
+    listener.close()

@@ -53,6 +53,8 @@ __all__ = ["Handler", "RemoteFailure", "Transaction", "WriterClient", "run_write
 
 log = logging.getLogger("tollgate.writer")
 _LEN = struct.Struct(">I")
+# How long the writer waits for a connection to take its replies before it drops it.
+PEER_SEND_SECONDS = 5.0
 _encode = msgspec.msgpack.Encoder().encode
 
 
@@ -317,11 +319,15 @@ def _answer(peers: dict[int, tuple[socket.socket, bytearray]],
         if peer.fileno() < 0:
             continue
         try:
-            peer.setblocking(True)
+            # A worker that takes nothing for this long (stopped, or hung) is dropped rather
+            # than hold every other worker's replies: it fails its own ops with 503 and
+            # connects again.
+            peer.settimeout(PEER_SEND_SECONDS)
             peer.sendall(b"".join(frames))
             peer.setblocking(False)
         except OSError:
             # The worker went away with its requests; the others keep their answers.
+            log.error("a worker's connection did not take its replies (it ended or hangs); dropped")
             _drop(peers, peer)
 
 
