@@ -9,7 +9,8 @@ nonce log). `StateBook` holds all four. With one worker it lives in that worker
 which answers each worker over a socket pair of its own (`StateServer`, `RemoteState`).
 
 Wire: frames of a 4-byte big-endian length and a msgpack body; a request `[id, name, args]`,
-its reply `[id, value]`; `release` has no reply. Requests of one turn of a worker's event loop
+its reply `[id, value]`. A key's release is answered too, before the worker answers its
+request: a client's next try, on any worker, finds the key free. Requests of one turn of a worker's event loop
 leave in one write, and the parent answers all it read in one write. Measured in
 docs/measurements.md ("Workers"): what this costs a gate call.
 
@@ -110,7 +111,7 @@ class SharedState:
     async def acquire(self, scope: Scope) -> bool:
         raise NotImplementedError
 
-    def release(self, scope: Scope) -> None:
+    async def release(self, scope: Scope) -> None:
         raise NotImplementedError
 
     async def tick(self) -> None:
@@ -141,7 +142,7 @@ class LocalState(SharedState):
     async def acquire(self, scope: Scope) -> bool:
         return self.book.acquire(scope)
 
-    def release(self, scope: Scope) -> None:
+    async def release(self, scope: Scope) -> None:
         self.book.release(scope)
 
     async def tick(self) -> None:
@@ -244,9 +245,8 @@ class RemoteState(SharedState, asyncio.Protocol):
     async def acquire(self, scope: Scope) -> bool:
         return bool(await self._ask("acquire", scope))
 
-    def release(self, scope: Scope) -> None:
-        if self._transport is not None:
-            self._send((0, "release", (scope,)))
+    async def release(self, scope: Scope) -> None:
+        await self._ask("release", scope)
 
     def close(self) -> None:
         if self._transport is not None:
@@ -283,7 +283,7 @@ class StateServer(asyncio.Protocol):
                     value = book.acquire(tuple(args[0]), self)
                 elif name == "release":
                     book.release(tuple(args[0]))
-                    continue
+                    value = None
                 else:
                     raise ValueError(f"unknown request {name!r}")
             except Exception:

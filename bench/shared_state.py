@@ -78,7 +78,7 @@ async def measure(state: SharedState, kind: str, calls: int) -> tuple[list[float
         else:
             scope = ("acme", "p", "authorize", f"i{n}")
             await state.acquire(scope)
-            state.release(scope)
+            await state.release(scope)
 
     took = []
     for _ in range(calls):

@@ -235,7 +235,7 @@ async def _handle(request: Any, endpoint: str, decide: Any) -> Reply:
         outcome: GateOutcome = await decide(call)
     finally:
         if scope is not None:
-            shared.release(scope)
+            await shared.release(scope)
     return _render(trace_id_of(request.scope), outcome)
 
 
