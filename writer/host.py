@@ -232,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     rate_singles()  # what the last tick did not reach
     store.close()  # everything into the file first, so the exporter's last round ships it
     stop.set()
-    exporter_thread.join(timeout=5)
+    # Its last rounds fit in the service's stop (TOLLGATE_STOP_SECONDS, `api.supervisor`); a
+    # round is one lake transaction, and what is left is exported after the next start.
+    exporter_thread.join(timeout=min(5.0, settings.stop_seconds * 0.3))
     conn.close()
     return 0
 
