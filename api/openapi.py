@@ -202,8 +202,8 @@ ROUTES: tuple[Route, ...] = (
           errors=("INTERNAL.ERROR", "REQUEST.HEADERS_TOO_LARGE", "REQUEST.TIMEOUT"),
           headers=(REQUEST_ID,),
           description="Unsigned. 200 when the service and its writer are ready; 503 with the same "
-                      "body (`ok: true`) while starting or when the writer is down, `reasons` "
-                      "saying which. Names no realm, account or key."),
+                      "body (`ok: true`) while starting, when the writer is down, or while it refuses writes "
+                      "because the operational file does, `reasons` saying which. Names no realm, account or key."),
     Route("HEAD", "/healthz", "healthz_head", "Readiness, as a status alone", "ops",
           {200: None, 503: None}, signed=False, headers=(REQUEST_ID,),
           description="Unsigned; for load balancers that probe with HEAD."),
