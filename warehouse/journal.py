@@ -507,7 +507,8 @@ class JournaledStore:
         writer has moved on from go with it, to be deleted once it is applied. The current
         segment keeps taking groups until it is full (or a prefilled spare can replace a
         segment that was not prefilled)."""
-        if self._failed is None and self.seq == self.applied_seq and not self._deferred:
+        if (self._failed is None and self.seq == self.applied_seq and not self._deferred
+                and len(self._segments) == 1):  # (segments read at a start are deleted too)
             return None
         # The next segment first. One that cannot be made (no space for the journal either)
         # leaves the current one in use: its groups stay applied as they come.
