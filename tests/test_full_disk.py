@@ -9,6 +9,7 @@ itself, and every acknowledged event is in the operational file."""
 
 from __future__ import annotations
 
+import signal
 import time
 import uuid
 from typing import Any
@@ -130,3 +131,38 @@ def test_a_full_disk_stops_acknowledgements_within_the_bound_and_the_service_res
     conn.close()
     assert stored == {b["subject_ref"] for b in acknowledged}
     assert len(acknowledged) == 5 + after_fault + len(refused)
+
+
+def test_a_writer_started_while_the_file_refuses_the_journal_waits_for_it_and_then_serves(
+        fresh_service: Service, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A service killed while the file refused writes, started again on the same full disk:
+    the writer starts, refuses every op (its state would lack the journal's rows) and is not
+    ready, then applies the journal by itself once the file takes writes."""
+    svc = fresh_service
+    monkeypatch.setenv("TOLLGATE_TEST_FULL_DISK_FILE", "full-disk")
+    monkeypatch.setenv("TOLLGATE_SCHEDULES", "off")
+    svc.start()
+    fault = svc.data_dir / "full-disk"
+    fault.touch()
+    bodies = [_event("disk.restart") for _ in range(20)]
+    for body in bodies:
+        assert svc.post("/mgt/v1/events", body, account="acct_events").status_code == 201
+    svc.stop(signal.SIGKILL)  # the 20 events are in the journal only
+
+    svc.start(ready=False)
+    _wait_for(lambda: svc.client.get(svc.base_url + "/healthz").json()["data"]["reasons"]
+              == ["storage refuses writes"], 30, "not ready while the journal waits for the file")
+    replay = svc.post("/mgt/v1/events", bodies[0], account="acct_events")
+    assert replay.status_code == 503 and replay.json()["code"] == "STORAGE.UNAVAILABLE"
+    balance = svc.request("GET", "/mgt/v1/wallet/balance", account="acct_prepaid")
+    assert balance.status_code == 503  # not even a read: the state is not rebuilt yet
+
+    fault.unlink()
+    _wait_for(lambda: svc.client.get(svc.base_url + "/healthz").status_code == 200, 15,
+              "ready once the file takes the journal")
+    for body in bodies:  # every acknowledged event is there: a replay, not a new event
+        assert svc.post("/mgt/v1/events", body, account="acct_events").status_code == 200
+    svc.stop()
+    conn = duckdb.connect(str(svc.data_dir / "operational.duckdb"), read_only=True)
+    assert conn.execute("SELECT count(*) FROM events WHERE event_type = 'disk.restart'").fetchone() == (20,)
+    conn.close()

@@ -181,3 +181,53 @@ def test_a_group_the_journal_refuses_gets_503_and_the_writer_goes_on_when_its_st
     store.close()
     assert _transitions(conn) == 2  # group 2 was never acknowledged
     conn.close()
+
+
+_NO_ROOM_FOR_THE_JOURNAL = r'''
+import json, resource, signal, sys
+from datetime import datetime, timezone
+from pathlib import Path
+from warehouse.journal import JournaledStore
+from warehouse.operational import open_operational
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # as the writer does: EFBIG, not a kill
+folder = Path(sys.argv[1])
+conn = open_operational(folder / "op.duckdb")
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))  # no file grows past 1 MiB
+store = JournaledStore(conn, folder / "journal")
+store._spare_thread.join()  # its 16 MiB of zeros cannot be written: no spare
+at = datetime(2026, 11, 1, tzinfo=timezone.utc)
+taken, refused = 0, 0
+for n in range(200):
+    try:
+        store.commit({"lease_transitions": [(f"lease-{n}", "cancelled", at, "x" * 10_000)]})
+        taken += 1
+    except OSError:
+        refused += 1
+seq_when_full = store.seq
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))  # room again
+store.commit({"lease_transitions": [("lease-after", "cancelled", at, None)]})
+store.close()
+stored = conn.execute("SELECT count(*) FROM lease_transitions").fetchone()[0]
+print(json.dumps({"spare": store._spare is not None, "taken": taken, "refused": refused,
+                  "seq_when_full": seq_when_full, "stored": stored}))
+'''
+
+
+def test_a_journal_that_cannot_grow_refuses_the_group_and_takes_groups_again_once_it_can(
+        tmp_path: Path) -> None:
+    """A real write failure on the journal: a file size limit makes the kernel refuse to grow
+    the segment (EFBIG, as ENOSPC on a full disk), in a process of its own."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _NO_ROOM_FOR_THE_JOURNAL, str(tmp_path)],
+                          capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr
+    result = msgspec.json.decode(done.stdout.strip().splitlines()[-1])
+    assert 50 <= result["taken"] < 110 and result["refused"] == 200 - result["taken"]
+    assert result["seq_when_full"] == result["taken"]  # a refused group takes no number
+    assert result["stored"] == result["taken"] + 1  # nothing acknowledged lost, nothing else
+    assert "could not prepare a journal segment" in done.stderr

@@ -396,8 +396,11 @@ class JournaledStore:
     def recover(self) -> int:
         """Apply every journaled group the file does not hold yet; the number applied. The
         segments were read when the store opened (and found sound): their groups follow on
-        from the file's last one, and what is cut is only a record nobody was told about."""
+        from the file's last one, and what is cut is only a record nobody was told about.
+        Raises `StorageUnavailable` if the file refuses them: every group is read and kept
+        all the same, and `materialize` tries again."""
         applied = 0
+        refused: StorageUnavailable | None = None
         scan, self._scan = self._scan, None
         for segment in scan.segments if scan is not None else []:
             old = Journal(segment.path)
@@ -410,12 +413,17 @@ class JournaledStore:
                 self._merge(piece.tables)
                 self.seq = piece.seq
                 applied += 1
-                if self._pending_rows >= self.RECOVERY_STEP_ROWS:
+                if self._pending_rows >= self.RECOVERY_STEP_ROWS and refused is None:
                     # A large backlog goes in steps, each recorded in `journal_state`: the
                     # segment being read is not in `_segments` yet, so it is not deleted.
-                    self.materialize()
+                    try:
+                        self.materialize()
+                    except StorageUnavailable as exc:
+                        refused = exc  # read the rest; the writer's tick tries again
             segment.pieces = []  # its rows are merged or applied: let them go
             self._segments.insert(len(self._segments) - 1, old)
+        if refused is not None:
+            raise refused
         self.materialize()
         if applied:
             log.info("journal: applied %d groups left from the last run", applied)

@@ -30,7 +30,7 @@ from core.settings import Settings
 from pipelines.catalog import Catalog, CatalogInvalid, load_catalog
 from warehouse.catalog_store import CatalogStore
 from warehouse.export import LakeExporter, run_exporter_thread
-from warehouse.journal import JournalCorrupt, JournaledStore
+from warehouse.journal import JournalCorrupt, JournaledStore, StorageUnavailable
 from warehouse.operational import open_operational, schema_version
 from warehouse.outbox import EventOutbox
 from warehouse.writer import LoopStatus, run_writer
@@ -136,7 +136,15 @@ def main(argv: list[str] | None = None) -> int:
         conn.close()
         print(f"tollgate: {exc}", file=sys.stderr, flush=True)
         return WRITER_JOURNAL_REFUSED
-    store.recover()
+    status = LoopStatus()
+    try:
+        store.recover()
+    except StorageUnavailable as exc:
+        # The file refuses the journal's rows (a full disk): start all the same, refusing
+        # every op until a tick has applied them and rebuilt the state below from the file.
+        log.error("the operational file refuses the journal's rows; every op is refused until"
+                  " it takes them: %s", exc)
+        status.stale = str(exc)
     catalog = CatalogView(folder)
     outbox = EventOutbox(conn)
     ingest = IngestHandler(outbox)
@@ -189,7 +197,6 @@ def main(argv: list[str] | None = None) -> int:
 
     ticks = 0
     exporter = LakeExporter(settings.data_dir)
-    status = LoopStatus()
     metrics = WriterMetrics(store, folder.metrics / "writer.prom", exporter, status) \
         if settings.metrics_on else None
 
@@ -231,7 +238,11 @@ def main(argv: list[str] | None = None) -> int:
                on_group=metrics.on_group if metrics is not None else None,
                read_only=frozenset({StandingOp}), status=status)
     rate_singles()  # what the last tick did not reach
-    store.close()  # everything into the file first, so the exporter's last round ships it
+    try:
+        store.close()  # everything into the file first, so the exporter's last round ships it
+    except StorageUnavailable as exc:
+        log.error("the operational file refuses the journal's last rows; they stay in the journal"
+                  " and are applied at the next start: %s", exc)
     stop.set()
     exporter_thread.join(timeout=5)
     conn.close()
