@@ -426,6 +426,11 @@ def document() -> dict[str, Any]:
     types = [*_structs(), list[s.Hint]]
     found, components = msgspec.json.schema_components(types, ref_template=_REF)
     schemas = dict(zip(types, found, strict=True))
+    # A field fault's code (and a batch item's, which names its first fault) is one of the
+    # field codes: an enum, so a response with another code does not match the document.
+    for name in ("FieldFault", "ItemError"):
+        components[name]["properties"]["code"] = {
+            "enum": list(FIELD_CODES), "description": "One of the field codes (docs/api.md)."}
     for route in ROUTES:
         for data in route.responses.values():
             if data is not None:

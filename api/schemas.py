@@ -134,7 +134,9 @@ class ErrorEnvelope(Struct, forbid_unknown_fields=True):
     ok: Literal[False]
     code: str
     message: str
-    trace_id: str
+    trace_id: Annotated[str, Meta(
+        pattern=r"^[A-Za-z0-9._:-]{1,128}$",
+        description="The request's trace id: its X-Request-Id when valid, else a new one.")]
     meta: ErrorMeta
     errors: list[FieldFault]
     hints: list[Hint]
