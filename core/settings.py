@@ -18,6 +18,8 @@ them see the same settings.
 | TOLLGATE_LOG_FORMAT               | json under `serve`, else text | `json` (one JSON object a line) or `text` (`core.logs`) |
 | TOLLGATE_LOG_LEVEL                | INFO         | the lowest level logged                    |
 | TOLLGATE_METRICS                  | on           | Prometheus metrics: `on` (GET /metrics on the API's address), `off`, or `HOST:PORT` (a listener of their own) |
+| TOLLGATE_MAX_BACKLOG_ROWS         | 100000       | while the operational file refuses writes, the acknowledged rows the journal may hold beyond it; past it, writes get 503 (`warehouse.journal`) |
+| TOLLGATE_TEST_FULL_DISK_FILE      | (none)       | tests only: a file name in the data folder; while that file exists, the writer's applies to the operational file fail as on a full disk |
 
 The HTTP process's limits (docs/api.md, "Limits"), each a positive number:
 
@@ -199,6 +201,12 @@ class Settings:
     log_format: str = ""
     # TOLLGATE_METRICS: "on", "off" or "HOST:PORT" (see `metrics_address`).
     metrics: str = "on"
+    # While the operational file refuses writes, how many acknowledged rows the journal may
+    # hold beyond it before writes are refused too (`warehouse.journal.JournaledStore`).
+    max_backlog_rows: int = 100_000
+    # A test hook: a file name in the data folder whose presence fails every apply to the
+    # operational file as a full disk would. Empty (no hook) unless a test sets it.
+    test_full_disk_file: str = ""
 
     @staticmethod
     def from_env(data_dir: str | os.PathLike[str] | None = None, host: str | None = None,
@@ -220,6 +228,8 @@ class Settings:
             writer_deadline_seconds=_positive_seconds(env, "TOLLGATE_WRITER_DEADLINE_SECONDS", 10.0),
             log_format=_log_format(env),
             metrics=_metrics(env),
+            max_backlog_rows=_positive_int(env, "TOLLGATE_MAX_BACKLOG_ROWS", 100_000),
+            test_full_disk_file=env.get("TOLLGATE_TEST_FULL_DISK_FILE", "").strip(),
             max_body_bytes=_positive_int(env, "TOLLGATE_MAX_BODY_BYTES", 16 * 1024 * 1024),
             max_header_bytes=_positive_int(env, "TOLLGATE_MAX_HEADER_BYTES", 32 * 1024),
             max_headers=_positive_int(env, "TOLLGATE_MAX_HEADERS", 100),

@@ -33,7 +33,7 @@ from warehouse.export import LakeExporter, run_exporter_thread
 from warehouse.journal import JournalCorrupt, JournaledStore
 from warehouse.operational import open_operational, schema_version
 from warehouse.outbox import EventOutbox
-from warehouse.writer import run_writer
+from warehouse.writer import LoopStatus, run_writer
 from writer.events.ingest import IngestHandler
 from writer.gate.book import GateBook
 from writer.metrics import WriterMetrics
@@ -120,13 +120,18 @@ def main(argv: list[str] | None = None) -> int:
     # dying here first would skip that. (A dead service still takes this process with it.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # A file size limit (ulimit -f) then fails the write like a full disk does (EFBIG),
+    # answered 503 and retried, instead of killing the writer.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     settings = Settings.from_env(args.data_dir)
     setup_logging("writer", settings.log_format or None)
     folder = settings.folder
     sock = socket.socket(fileno=args.fd)
     conn = open_operational(folder.operational)
     try:
-        store = JournaledStore(conn, folder.journal)
+        store = JournaledStore(conn, folder.journal, max_backlog_rows=settings.max_backlog_rows,
+                               fault_file=folder.root / settings.test_full_disk_file
+                               if settings.test_full_disk_file else None)
     except JournalCorrupt as exc:
         conn.close()
         print(f"tollgate: {exc}", file=sys.stderr, flush=True)
@@ -184,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ticks = 0
     exporter = LakeExporter(settings.data_dir)
-    metrics = WriterMetrics(store, folder.metrics / "writer.prom", exporter) \
+    status = LoopStatus()
+    metrics = WriterMetrics(store, folder.metrics / "writer.prom", exporter, status) \
         if settings.metrics_on else None
 
     def tick(c: Any) -> None:
@@ -222,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     exporter_thread = run_exporter_thread(conn, settings.data_dir, stop, exporter=exporter)
     run_writer(store, sock, decode_request, handlers, on_rollback=rebuild, tick=tick, clock=clock,
                after_group=after_group, tick_seconds=0.25,
-               on_group=metrics.on_group if metrics is not None else None)
+               on_group=metrics.on_group if metrics is not None else None,
+               read_only=frozenset({StandingOp}), status=status)
     rate_singles()  # what the last tick did not reach
     store.close()  # everything into the file first, so the exporter's last round ships it
     stop.set()
