@@ -36,6 +36,7 @@ from pipelines.catalog import Budget, Catalog, Feature, Quota, Realm
 from pipelines.events import format_instant
 from pipelines.price_index import PriceIndex, price_fingerprint
 from pipelines.pricing import PricedLine, PriceRow, price_line, quote
+from warehouse.event_index import EventIndex, idempotency_digest
 from warehouse.gate_store import (
     carried_remainders,
     committed_totals,
@@ -71,6 +72,8 @@ __all__ = ["GateBook", "token_digest"]
 _encode = msgspec.json.encode
 IDEMPOTENCY_TTL = timedelta(hours=24)
 ENDED_LEASE_MEMORY = timedelta(days=7)
+# Idempotency records held in memory besides the index on disk: the most recent ones.
+IDEMPOTENCY_CACHE = 20_000
 
 
 class _Randomness:
@@ -148,9 +151,14 @@ def _price_lines(prices: PriceIndex, lines: list[tuple[str, int]], now: datetime
 
 
 class GateBook:
-    def __init__(self, catalog: Callable[[], Catalog], clock: Clock) -> None:
+    def __init__(self, catalog: Callable[[], Catalog], clock: Clock,
+                 index: EventIndex | None = None) -> None:
+        """With an `index`, idempotency records live on disk (24 h, expired by
+        `expire_idempotency`) behind a cache of the most recent; without one (tools,
+        tests), all of the last 24 h are held in memory, read from the file."""
         self._catalog = catalog
         self._clock = clock
+        self._index = index
         self._price_index: dict[str, PriceIndex] = {}
         self._price_fingerprint = ""
         self.grants_pending = True  # the catalog's grants are not known to be in the file
@@ -195,10 +203,18 @@ class GateBook:
             self.grant_ids.add((realm, gid))
         for realm, account, meter, fingerprint, remainder in carried_remainders(conn):
             self.carry[(realm, account, meter, fingerprint)] = int(remainder)
-        for realm, principal, endpoint, key, sha, reply, stored_at in idempotency_records(
-                conn, now - IDEMPOTENCY_TTL):
-            outcome = msgspec.msgpack.decode(reply, type=GateOutcome)
-            self.idempotency[(realm, principal, endpoint, key)] = (sha, outcome, stored_at)
+        records = idempotency_records(conn, now - IDEMPOTENCY_TTL)
+        if self._index is not None:
+            if records:  # written to the file by an earlier version: they move to the index
+                self._index.put_idempotency(
+                    (idempotency_digest(realm, principal, endpoint, key), sha,
+                     int(stored_at.timestamp() * 1_000_000), reply)
+                    for realm, principal, endpoint, key, sha, reply, stored_at in records)
+            conn.execute("DELETE FROM idempotency")
+        else:
+            for realm, principal, endpoint, key, sha, reply, stored_at in records:
+                outcome = msgspec.msgpack.decode(reply, type=GateOutcome)
+                self.idempotency[(realm, principal, endpoint, key)] = (sha, outcome, stored_at)
         self.line_seq, self.commit_seq = last_seqs(conn)
         self.grants_pending = True
         self.sync_pending_grants(conn)
@@ -262,6 +278,12 @@ class GateBook:
             return decide()
         scope = (idem.realm, idem.principal_id, idem.endpoint, idem.key)
         found = self.idempotency.get(scope)
+        if found is None and self._index is not None:
+            on_disk = self._index.get_idempotency(idempotency_digest(*scope))
+            if on_disk is not None:
+                body_sha, stored_us, reply = on_disk
+                found = (body_sha, msgspec.msgpack.decode(reply, type=GateOutcome),
+                         datetime.fromtimestamp(stored_us / 1_000_000, timezone.utc))
         if found is not None and tx.now - found[2] < IDEMPOTENCY_TTL:
             sha, outcome, _ = found
             if sha != idem.body_sha256:
@@ -271,10 +293,20 @@ class GateBook:
             return replay
         outcome = decide()
         if outcome.storable:
-            self.idempotency[scope] = (idem.body_sha256, outcome, tx.now)
+            cache = self.idempotency
+            cache[scope] = (idem.body_sha256, outcome, tx.now)
+            reply = msgspec.msgpack.encode(outcome)
             tx.stage("idempotency", (idem.realm, idem.principal_id, idem.endpoint, idem.key,
-                                     idem.body_sha256, outcome.status,
-                                     msgspec.msgpack.encode(outcome), "{}", tx.now))
+                                     idem.body_sha256, outcome.status, reply, "{}", tx.now))
+            index = self._index
+            if index is not None:
+                if len(cache) > IDEMPOTENCY_CACHE:
+                    del cache[next(iter(cache))]  # the oldest: it is on disk
+                record = (idempotency_digest(*scope), idem.body_sha256,
+                          int(tx.now.timestamp() * 1_000_000), reply)
+                # Durable in the journal first; a kill before this put is caught up when the
+                # journal is applied at start (the idempotency table's writer, `writer.host`).
+                tx.after_commit(lambda: index.put_idempotency((record,)))
         return outcome
 
     def record_outcome(self, tx: Transaction, op: RecordOutcomeOp) -> Callable[[], GateOutcome]:
@@ -582,6 +614,13 @@ class GateBook:
             lease.ended_at = lease.expires_at
         return len(due)
 
+    def expire_idempotency(self, limit: int = 20_000) -> int:
+        """Delete up to `limit` idempotency records older than 24 h from the index."""
+        if self._index is None:
+            return 0
+        cutoff = self._clock.now() - IDEMPOTENCY_TTL
+        return self._index.expire_idempotency(int(cutoff.timestamp() * 1_000_000), limit)
+
     def forget_old(self) -> None:
         """Bound memory: ended leases after a week, idempotency records after 24 h, usage
         cells of months before the last."""
@@ -591,5 +630,7 @@ class GateBook:
             del self.leases[sha]
         for scope in [k for k, v in self.idempotency.items() if now - v[2] >= IDEMPOTENCY_TTL]:
             del self.idempotency[scope]
+        if self._index is not None:
+            self.expire_idempotency()
         first = now.date().replace(day=1)
         self.tally.forget_before((first - timedelta(days=1)).replace(day=1))
