@@ -12,7 +12,6 @@ same run: a Python set lookup of the same ids (what the old in-memory set cost).
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import shutil
 import time

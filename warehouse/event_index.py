@@ -128,14 +128,16 @@ class EventIndex:
         """For each 16-byte id: is it stored?"""
         if not raw_ids:
             return []
-        return [v is not None for v in self.db.get([_EVENT + k for k in raw_ids])]
+        values: list[Any] = self.db.get([_EVENT + k for k in raw_ids]) or []
+        return [v is not None for v in values]
 
     def first_stored(self, raw_ids: Sequence[bytes]) -> list[tuple[int, bytes] | None]:
         """For each 16-byte id: (created_at us, labels JSON) as stored at first acceptance."""
         if not raw_ids:
             return []
         out: list[tuple[int, bytes] | None] = []
-        for value in self.db.get([_EVENT + k for k in raw_ids]):
+        values: list[Any] = self.db.get([_EVENT + k for k in raw_ids]) or []
+        for value in values:
             out.append(None if value is None else (_U64.unpack_from(value)[0], bytes(value[8:])))
         return out
 

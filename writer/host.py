@@ -29,8 +29,8 @@ from core.logs import setup_logging
 from core.settings import Settings
 from pipelines.catalog import Catalog, CatalogInvalid, load_catalog
 from warehouse.catalog_store import CatalogStore
-from warehouse.export import LakeExporter, run_exporter_thread
 from warehouse.event_index import EventIndex, idempotency_digest
+from warehouse.export import LakeExporter, run_exporter_thread
 from warehouse.journal import JournalCorrupt, JournaledStore, register_table
 from warehouse.operational import open_operational, schema_version
 from warehouse.outbox import EventOutbox
