@@ -273,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     store.close()  # everything into the file first, so the exporter's last round ships it
     stop.set()
     exporter_thread.join(timeout=5)
+    try:
+        retention.step(conn, force=True)  # what the last export let go, before the next start
+    except Exception:
+        log.exception("upkeep of the operational file at stop failed")
     conn.close()
     index.close()
     return 0
