@@ -214,3 +214,94 @@ def test_an_idempotent_replay_after_a_restart_returns_the_stored_outcome(fresh_s
         op.close()
     assert (svc.data_dir / "index").is_dir()
 
+
+
+def test_pruned_commits_change_no_balance_usage_carry_or_seq(tmp_path: Path) -> None:
+    from datetime import timedelta
+
+    from warehouse.retention import Retention
+    from writer.ops import CommitOp, MeterLine
+
+    catalog = load_catalog((FIXTURES / "catalog.toml").read_text())
+    conn = open_operational(tmp_path / "op.duckdb")
+    book = GateBook(lambda: catalog, ManualClock(NOW))
+    book.rebuild(conn)
+    for qty in (7, 11, 13):  # a meter that carries a remainder from commit to commit
+        tx = Transaction(conn, NOW)
+        conn.execute("BEGIN")
+        auth = book.authorize(tx, AuthorizeOp("acme", "gate-p", "acct_gate", None, "gate.rounding", qty, {}, None))()
+        book.commit(tx, CommitOp("acme", "gate-p", "acct_gate", auth.data["lease_token"], "gate.rounding", qty,
+                                 [MeterLine("gate.floor", qty)], {}, b"{}", None))()
+        tx.flush()
+        tx.commit()
+        conn.execute("COMMIT")
+    before = (dict(book.committed), dict(book.carry), book.line_seq, book.commit_seq,
+              book.tally.window("acme", "account", "acct_gate", "month", NOW.date(), None))
+    assert before[0] and before[1] and before[2] == 3
+    conn.execute("INSERT INTO export_watermarks VALUES ('commit_lines', 3, 1, now())")  # in the lake
+    later = NOW + timedelta(days=8, hours=6)  # past what the book remembers, the same month
+    clock = ManualClock(later)
+    Retention(tmp_path / "op.duckdb", 3600, lambda: 0, clock=clock).step(conn, force=True)
+    for table in ("commits", "commit_lines", "leases"):
+        assert conn.execute(f"SELECT count(*) FROM {table}").fetchone() == (0,), table
+    again = GateBook(lambda: catalog, clock)
+    again.rebuild(conn)
+    after = (dict(again.committed), dict(again.carry), again.line_seq, again.commit_seq,
+             again.tally.window("acme", "account", "acct_gate", "month", later.date(), None))
+    assert after == before
+    conn.close()
+
+
+def test_ended_leases_live_on_disk_behind_a_bounded_cache_for_a_week(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import writer.gate.book as book_module
+    from writer.ops import CommitOp
+
+    monkeypatch.setattr(book_module, "ENDED_LEASE_CACHE", 5)
+    catalog = load_catalog((FIXTURES / "catalog.toml").read_text())
+    clock = ManualClock(NOW)
+    conn = open_operational(tmp_path / "op.duckdb")
+    index = EventIndex(tmp_path / "index", 8 << 20)
+    book = GateBook(lambda: catalog, clock, index)
+    book.rebuild(conn)
+
+    def commit(token: str) -> object:
+        tx = Transaction(conn, clock.now())
+        conn.execute("BEGIN")
+        done = book.commit(tx, CommitOp("acme", "gate-p", "acct_gate", token, "gate.unit", 1, None, {},
+                                        b'{"quantity_minor":"1"}', None))()
+        tx.flush()
+        tx.commit()
+        conn.execute("COMMIT")
+        return done
+
+    firsts = []
+    for _ in range(20):
+        tx = Transaction(conn, clock.now())
+        conn.execute("BEGIN")
+        auth = book.authorize(tx, AuthorizeOp("acme", "gate-p", "acct_gate", None, "gate.unit", 1, {}, None))()
+        tx.flush()
+        tx.commit()
+        conn.execute("COMMIT")
+        token = auth.data["lease_token"]  # type: ignore[attr-defined]
+        firsts.append((token, commit(token)))
+        clock.advance(1)
+    assert sum(1 for lease in book.leases.values() if lease.state != "active") <= 5
+    assert index.count_leases() == 20
+    token, first = firsts[0]  # long gone from memory: its replay comes from the index
+    again = commit(token)
+    assert again.data == first.data  # type: ignore[attr-defined]
+    index.close()
+    # A restart: the index holds them, the file is read only past the index's mark.
+    index = EventIndex(tmp_path / "index", 8 << 20)
+    book = GateBook(lambda: catalog, clock, index)
+    book.rebuild(conn)
+    token, first = firsts[3]
+    assert commit(token).data == first.data  # type: ignore[attr-defined]
+    clock.advance(8 * 86400)  # a week past their end
+    assert book.expire_leases() == 20
+    assert index.count_leases() == 0
+    assert commit(firsts[5][0]).code == "LEASE.NOT_FOUND"  # type: ignore[attr-defined]
+
+    index.close()
+    conn.close()

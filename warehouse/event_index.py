@@ -16,6 +16,10 @@ Keys (one store, a byte prefix per kind):
     b"i" + sha256(scope)         -> an idempotency record (msgpack: body digest, stored_at us,
                                     the outcome as msgpack)
     b"t" + stored_at us + digest -> nothing: the records in order of time, to expire them
+    b"l" + sha256 of a lease token -> an ended lease (msgpack; `writer.gate.book`), for 7 days
+    b"u" + ended_at us + sha256  -> nothing: the ended leases in order of time
+    b"m"                         -> the latest ended_at of a lease put (the book reads the
+                                    leases that ended after it, less a margin, from the file)
 
 The journal stays the truth. Events are put into the index by the writer right after their
 group is durable in the journal, in one write batch with the watermark (`w`), so the index
@@ -56,6 +60,9 @@ _EVENT = b"e"
 _WATERMARK = b"w"
 _IDEM = b"i"
 _IDEM_TIME = b"t"
+_LEASE = b"l"
+_LEASE_TIME = b"u"
+_LEASE_MARK = b"m"
 _U64 = struct.Struct(">Q")
 CATCH_UP_ROWS = 100_000
 
@@ -186,19 +193,24 @@ class EventIndex:
 
     def expire_idempotency(self, before_us: int, limit: int = 10_000) -> int:
         """Delete up to `limit` records stored before `before_us`; the number deleted."""
+        return self._expire(_IDEM_TIME, _IDEM, before_us, limit)
+
+    def _expire(self, time_prefix: bytes, value_prefix: bytes, before_us: int, limit: int) -> int:
+        """Delete up to `limit` entries whose time key is before `before_us` (each value is
+        a msgpack array whose second item is that time)."""
         it = self.db.iter()
-        it.seek(_IDEM_TIME)
+        it.seek(time_prefix)
         batch = WriteBatch(raw_mode=True)
         n = 0
         while it.valid() and n < limit:
             key: Any = it.key()
-            if not key.startswith(_IDEM_TIME) or _U64.unpack_from(key, 1)[0] >= before_us:
+            if not key.startswith(time_prefix) or _U64.unpack_from(key, 1)[0] >= before_us:
                 break
             digest = bytes(key[9:])
-            raw = self.db.get(_IDEM + digest)
-            # A scope stored again later has a newer time key: only the record of this time goes.
+            raw = self.db.get(value_prefix + digest)
+            # A key stored again later has a newer time key: only the entry of this time goes.
             if raw is not None and int(msgspec.msgpack.decode(raw)[1]) == _U64.unpack_from(key, 1)[0]:
-                batch.delete(_IDEM + digest)
+                batch.delete(value_prefix + digest)
             batch.delete(bytes(key))
             n += 1
             it.next()
@@ -207,15 +219,52 @@ class EventIndex:
             self.db.write(batch)
         return n
 
-    def count_idempotency(self) -> int:
-        """Records on disk (tests and tools; a full scan of the idempotency keys)."""
+    # ---- ended leases -----------------------------------------------------------------
+    def put_leases(self, records: Iterable[tuple[bytes, int, bytes]]) -> None:
+        """Put ended leases (sha256 of the token, ended_at us, the lease as msgpack whose
+        second item is ended_at us) and move the mark to the latest ended_at."""
+        batch = WriteBatch(raw_mode=True)
+        mark = self.lease_mark()
+        top = mark
+        for sha, ended_us, value in records:
+            batch.put(_LEASE + sha, value)
+            batch.put(_LEASE_TIME + _U64.pack(ended_us) + sha, b"")
+            top = max(top, ended_us)
+        if batch.is_empty():
+            return
+        if top > mark:
+            batch.put(_LEASE_MARK, _U64.pack(top))
+        self.db.write(batch)
+
+    def lease_mark(self) -> int:
+        """The latest ended_at (us) of a lease put; 0 before any."""
+        raw = self.db.get(_LEASE_MARK)
+        return _U64.unpack(raw)[0] if raw is not None else 0
+
+    def get_lease(self, sha: bytes) -> bytes | None:
+        raw = self.db.get(_LEASE + sha)
+        return None if raw is None else bytes(raw)
+
+    def expire_leases(self, before_us: int, limit: int = 10_000) -> int:
+        """Delete up to `limit` leases that ended before `before_us`; the number deleted."""
+        return self._expire(_LEASE_TIME, _LEASE, before_us, limit)
+
+    def count_prefix(self, prefix: bytes) -> int:
         it = self.db.iter()
-        it.seek(_IDEM)
+        it.seek(prefix)
         n = 0
-        while it.valid() and bytes(it.key()[:1]) == _IDEM:
+        while it.valid() and bytes(it.key()[:1]) == prefix:
             n += 1
             it.next()
         return n
+
+    def count_idempotency(self) -> int:
+        """Records on disk (tests and tools; a full scan of the idempotency keys)."""
+        return self.count_prefix(_IDEM)
+
+    def count_leases(self) -> int:
+        """Ended leases on disk (tests and tools; a full scan of their keys)."""
+        return self.count_prefix(_LEASE)
 
     # ---- upkeep -----------------------------------------------------------------------
     def memory_bytes(self) -> int:

@@ -4,7 +4,11 @@ The lake is the append-only store of record. An event leaves the operational fil
 (1) exported to the lake (its seq at or below the `events` export watermark), (2) in the
 event index for good (at or below the index's durable watermark, `EventIndex.
 durable_watermark`), and (3) older than the window (TOLLGATE_OPERATIONAL_WINDOW_SECONDS,
-default an hour). Commit lines and inline ratings leave on (1) and (3). So the file's size
+default an hour). Commit lines and inline ratings leave on (1) and (3). Commits (kept for the
+replay of a lease's commit) and leases leave once no lease the gate book remembers needs them
+(`GATE_MEMORY`, a day past the book's week): the book rebuilds balances, usage and carried
+remainders from aggregates kept as commits are applied (`warehouse.gate_store`), so pruning
+never changes a balance. So the file's size
 follows the window and the traffic, never the history, and nothing leaves before the lake
 and the index have it.
 
@@ -33,6 +37,8 @@ log = logging.getLogger("tollgate.writer")
 
 STEP_ROWS = 200_000
 WAL_BOUND = 64 << 20
+# Ended leases are remembered for 7 days (`writer.gate.book.ENDED_LEASE_MEMORY`); a day more.
+GATE_MEMORY = timedelta(days=8)
 
 # stream, its time column, whether the index must hold it too
 _TABLES: tuple[tuple[str, str, bool], ...] = (
@@ -54,7 +60,7 @@ class Retention:
         self.clock = clock
         self.every_seconds = every_seconds
         self._last = 0.0
-        self.deleted = {t: 0 for t, _, _ in _TABLES}
+        self.deleted = {t: 0 for t, _, _ in _TABLES} | {"commits": 0, "leases": 0}
         self.checkpoints = 0
 
     def step(self, conn: duckdb.DuckDBPyConnection, *, force: bool = False) -> int:
@@ -86,10 +92,35 @@ class Retention:
             n = int(got[0]) if got else 0
             self.deleted[table] += n
             total += n
+        total += self._gate_step(conn)
         if total:
             log.debug("retention: %d rows left the operational file", total)
         self._checkpoint_if_due(conn, force=total > 0 and force)
         return total
+
+    def _gate_step(self, conn: duckdb.DuckDBPyConnection) -> int:
+        """Commits, leases and their transitions that no remembered lease needs."""
+        cutoff = self.clock.now() - GATE_MEMORY
+        got = conn.execute(
+            "DELETE FROM commits WHERE rowid IN (SELECT rowid FROM commits WHERE committed_at < ? "
+            "LIMIT ?)", [cutoff, STEP_ROWS]).fetchone()
+        commits = int(got[0]) if got else 0
+        gone = conn.execute(
+            "SELECT lease_id FROM leases WHERE expires_at < ? AND lease_id NOT IN "
+            "(SELECT lease_id FROM commits) LIMIT ?", [cutoff, STEP_ROWS]).fetchall()
+        if gone:
+            conn.execute("BEGIN")
+            try:
+                ids = [r[0] for r in gone]
+                conn.execute("DELETE FROM lease_transitions WHERE lease_id IN (SELECT unnest(?))", [ids])
+                conn.execute("DELETE FROM leases WHERE lease_id IN (SELECT unnest(?))", [ids])
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+        self.deleted["commits"] += commits
+        self.deleted["leases"] += len(gone)
+        return commits + len(gone)
 
     def _checkpoint_if_due(self, conn: duckdb.DuckDBPyConnection, force: bool = False) -> None:
         try:

@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         # On the applier's thread, after a batch is applied or now and then when idle.
         retention.step(c)
         gate.expire_idempotency()
+        gate.expire_leases()
 
     store.after_apply = upkeep
     handlers: dict[type, Any] = {
