@@ -350,6 +350,10 @@ class JournaledStore:
         self._spare: Journal | None = None
         self._spare_thread: threading.Thread | None = None
         self.journal = self._new_segment()
+        # Upkeep of the file run on the applier's thread after each batch, and on its own
+        # now and then when no rows come (`warehouse.retention`): never on a reply's path.
+        self.after_apply: Callable[[duckdb.DuckDBPyConnection], None] | None = None
+        self._idle_upkeep_at = 0.0
 
     def _segment_paths(self) -> list[Path]:
         return sorted(self._dir.glob("*.journal"))
@@ -576,10 +580,27 @@ class JournaledStore:
             return  # the file refused the last try: wait out the pause
         batch = self._take()
         if batch is None:
+            if self.after_apply is not None and time.monotonic() - self._idle_upkeep_at > 2.0:
+                self._idle_upkeep_at = time.monotonic()
+                self._thread = threading.Thread(target=self._upkeep_in_thread,
+                                                name="journal-upkeep", daemon=True)
+                self._thread.start()
             return
         self._thread = threading.Thread(target=self._apply_in_thread, args=(batch,),
                                         name="journal-apply", daemon=True)
         self._thread.start()
+
+    def _upkeep_in_thread(self) -> None:
+        run_in_background()
+        self._upkeep(self._applier_conn)
+
+    def _upkeep(self, conn: duckdb.DuckDBPyConnection) -> None:
+        if self.after_apply is None:
+            return
+        try:
+            self.after_apply(conn)
+        except Exception:
+            log.exception("upkeep of the operational file failed; retrying later")
 
     def _apply_in_thread(self, batch: _Batch) -> None:
         run_in_background()
@@ -590,6 +611,7 @@ class JournaledStore:
             self._note_failure(exc)
             return
         self._done = batch
+        self._upkeep(self._applier_conn)
 
     def _apply(self, conn: duckdb.DuckDBPyConnection, batch: _Batch) -> None:
         if batch.seq > self.applied_seq or any(batch.tables.values()):

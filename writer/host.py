@@ -29,10 +29,12 @@ from core.logs import setup_logging
 from core.settings import Settings
 from pipelines.catalog import Catalog, CatalogInvalid, load_catalog
 from warehouse.catalog_store import CatalogStore
+from warehouse.event_index import EventIndex, idempotency_digest
 from warehouse.export import LakeExporter, run_exporter_thread
-from warehouse.journal import JournalCorrupt, JournaledStore, StorageUnavailable
+from warehouse.journal import JournalCorrupt, JournaledStore, StorageUnavailable, register_table
 from warehouse.operational import open_operational, schema_version
 from warehouse.outbox import EventOutbox
+from warehouse.retention import Retention
 from warehouse.writer import LoopStatus, run_writer
 from writer.events.ingest import IngestHandler
 from writer.gate.book import GateBook
@@ -49,11 +51,42 @@ from writer.ops import (
     UsageOp,
 )
 
-__all__ = ["CatalogView", "main", "sync_catalog"]
+__all__ = ["CatalogView", "main", "memory_shares", "sync_catalog"]
 
 
 log = logging.getLogger("tollgate.writer")
 RATE_STEP = 100  # single events rated inline per step between groups
+
+
+def memory_shares(ceiling: int) -> tuple[int, int]:
+    """How the writer's memory ceiling (TOLLGATE_WRITER_MEMORY) is cut: DuckDB's memory limit
+    for the operational file and the event index's block cache, in bytes. The rest (about
+    45 %) is left to the Python heap (the gate book, the groups in flight, the journal's
+    pending rows, up to 100,000) and to RocksDB's memtables and DuckDB's allocations
+    outside its limit.
+
+    >>> [n >> 20 for n in memory_shares(1 << 30)]
+    [409, 153]
+    """
+    return int(ceiling * 0.4), int(ceiling * 0.15)
+
+
+def _idempotency_writer(index: EventIndex) -> Any:
+    """The idempotency table's rows go to the index, not to the file: applied from the
+    journal at start, they restore the records of groups whose put the kill cut off (the
+    writer puts them as soon as a group is durable, so most of these puts repeat one)."""
+    def write(conn: Any, rows: list[tuple[Any, ...]]) -> None:
+        index.put_idempotency(
+            (idempotency_digest(r[0], r[1], r[2], r[3]), r[4], _micros(r[8]), bytes(r[6]))
+            for r in rows)
+    return write
+
+
+def _micros(at: Any) -> int:
+    from datetime import datetime
+    if isinstance(at, str):
+        at = datetime.fromisoformat(at)
+    return int(at.timestamp() * 1_000_000)
 
 
 class CatalogView:
@@ -127,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("writer", settings.log_format or None)
     folder = settings.folder
     sock = socket.socket(fileno=args.fd)
+    duckdb_memory, index_cache = memory_shares(settings.writer_memory)
     conn = open_operational(folder.operational)
+    conn.execute(f"SET memory_limit = '{duckdb_memory >> 20}MiB'")
     try:
         store = JournaledStore(conn, folder.journal, max_backlog_rows=settings.max_backlog_rows,
                                fault_file=folder.root / settings.test_full_disk_file
@@ -136,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         conn.close()
         print(f"tollgate: {exc}", file=sys.stderr, flush=True)
         return WRITER_JOURNAL_REFUSED
+    index = EventIndex(folder.index, index_cache)
+    register_table("idempotency", _idempotency_writer(index))
     status = LoopStatus()
     try:
         store.recover()
@@ -146,11 +183,21 @@ def main(argv: list[str] | None = None) -> int:
                   " it takes them: %s", exc)
         status.stale = str(exc)
     catalog = CatalogView(folder)
-    outbox = EventOutbox(conn)
+    outbox = EventOutbox(conn, index)
     ingest = IngestHandler(outbox)
     clock = SYSTEM_CLOCK
-    gate = GateBook(lambda: catalog.current, clock)
+    gate = GateBook(lambda: catalog.current, clock, index)
     gate.rebuild(conn)
+    retention = Retention(folder.operational, settings.operational_window_seconds,
+                          index.durable_watermark, clock=clock)
+
+    def upkeep(c: Any) -> None:
+        # On the applier's thread, after a batch is applied or now and then when idle.
+        retention.step(c)
+        gate.expire_idempotency()
+        gate.expire_leases()
+
+    store.after_apply = upkeep
     handlers: dict[type, Any] = {
         IngestOp: ingest,
         AuthorizeOp: _Adapter(gate.authorize),
@@ -220,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     def decode_request(frame: bytes) -> tuple[int, Any]:
         return decoder.decode(frame)
 
-    # The state just rebuilt (leases, usage, the dedupe set) lives as long as the process:
+    # The state just rebuilt (leases, usage, holds) lives as long as the process:
     # keep it out of the collector's full scans, whose pauses grow with it.
     gc.collect()
     gc.freeze()
@@ -245,7 +292,12 @@ def main(argv: list[str] | None = None) -> int:
                   " and are applied at the next start: %s", exc)
     stop.set()
     exporter_thread.join(timeout=5)
+    try:
+        retention.step(conn, force=True)  # what the last export let go, before the next start
+    except Exception:
+        log.exception("upkeep of the operational file at stop failed")
     conn.close()
+    index.close()
     return 0
 
 
