@@ -5,11 +5,12 @@ body, a fresh nonce and timestamp, Content-Digest). Every answer must be no 5xx,
 document lists for the operation, and a body and headers that match the document's schema for
 that status.
 
-The context headers are mostly those of a known principal and account of the test catalog, so
-that the generated bodies reach validation and the writer rather than stopping at an unknown
-principal; the document's own header values are kept for the rest (X-Request-Id,
-Idempotency-Key, X-User-Id). Examples per operation: 25, 10 in CI (CI=true), each without a
-deadline of its own (a shared 2-core machine); the whole module takes about a minute there.
+The context headers are those of a known principal and account of the test catalog, so that
+the generated bodies reach validation and the writer rather than stopping at an unknown
+principal; the generated values are kept for the rest (X-Request-Id, Idempotency-Key,
+X-User-Id). Half of the commits and cancels name a live lease, so that commits are priced and
+conflicts decided. Examples per operation: 25, or 10 in CI (CI=true), with no Hypothesis
+deadline (a shared 2-core machine): the module takes one to two minutes there.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ schema = schemathesis.openapi.from_dict(document())
 # The context each route is called with (a principal and account of tests/fixtures/catalog.toml).
 EVENT_ACCOUNT = "acct_events"
 PRINCIPAL = "team-a"  # of acct_prepaid
+# Commits and cancels name leases of a postpaid account's principal: its leases, held until
+# they expire, never exhaust a balance, so a live lease can always be had.
+LEASE_PRINCIPAL = "team-c"  # of acct_postpaid
+LEASED = ("/mgt/v1/gate/commits", "/mgt/v1/gate/cancel", "/mgt/v1/gate/commits/batch")
 BALANCE_ACCOUNT = "acct_prepaid"
 
 
@@ -68,14 +73,47 @@ def _context(path: str) -> dict[str, str | None]:
         return {"billing_account_id": BALANCE_ACCOUNT}
     if path == "/mgt/v1/reports/usage":
         return {}
-    return {"principal_id": PRINCIPAL}
+    return {"principal_id": LEASE_PRINCIPAL if path in LEASED else PRINCIPAL}
+
+
+def _live_lease(svc: Service, client: httpx.Client) -> str | None:
+    """A fresh lease of the principal (feature api.search), for a commit or cancel to name."""
+    body = json.dumps({"feature_code": "api.search", "estimated_quantity_minor": "1"}).encode()
+    path = "/mgt/v1/gate/authorize"
+    headers = sign_headers(key_id=svc.key.key_id, secret=svc.key.secret, method="POST", path=path,
+                           body=body, realm=svc.key.realm, principal_id=LEASE_PRINCIPAL)
+    r = client.post(svc.base_url + path, content=body, headers=headers)
+    return str(r.json()["data"]["lease_token"]) if r.status_code == 200 else None
+
+
+def _with_live_leases(path: str, payload: Any, svc: Service, client: httpx.Client) -> Any:
+    """Half of the generated commits and cancels (by the parity of their body's length) name
+    a live lease instead of a made-up token, so that the fuzzing reaches what a commit decides
+    (pricing, meters, conflicts), not only LEASE.NOT_FOUND."""
+    def live(item: Any) -> Any:
+        if isinstance(item, dict) and isinstance(item.get("lease_token"), str):
+            token = _live_lease(svc, client)
+            if token is not None:  # of its feature, when the item names one
+                feature = {"feature_code": "api.search"} if "feature_code" in item else {}
+                return {**item, "lease_token": token, **feature}
+        return item
+
+    if len(json.dumps(payload)) % 2:
+        return payload
+    if path in ("/mgt/v1/gate/commits", "/mgt/v1/gate/cancel"):
+        return live(payload)
+    if path == "/mgt/v1/gate/commits/batch" and isinstance(payload, dict) \
+            and isinstance(payload.get("items"), list):
+        return {**payload, "items": [live(item) for item in payload["items"][:5]]
+                + payload["items"][5:]}
+    return payload
 
 
 def _send(case: Any, svc: Service, client: httpx.Client) -> httpx.Response:
     kwargs = case.as_transport_kwargs(base_url=svc.base_url)
     generated = {k.lower(): str(v) for k, v in (kwargs.get("headers") or {}).items()}
     if "json" in kwargs:
-        body = json.dumps(kwargs["json"]).encode()
+        body = json.dumps(_with_live_leases(case.operation.path, kwargs["json"], svc, client)).encode()
     else:
         data = kwargs.get("data")
         body = data.encode() if isinstance(data, str) else (data or b"")
