@@ -86,6 +86,7 @@ def test_a_full_disk_stops_acknowledgements_within_the_bound_and_the_service_res
         assert r.status_code == 503, r.text
         assert r.json()["code"] == "STORAGE.UNAVAILABLE"
         assert int(r.headers["retry-after"]) >= 1
+        assert "full-disk" not in r.text and str(svc.data_dir) not in r.text  # the log has the error
         refused.append(body)
     after_fault = len(acknowledged) - before + 1
     assert BOUND - 1 <= after_fault <= BOUND, after_fault  # one row an event, one event a group

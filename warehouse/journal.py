@@ -480,8 +480,9 @@ class JournaledStore:
     def refusal(self) -> StorageUnavailable:
         """What a refused write is answered: 503 with the time to the next try."""
         wait = max(0.0, self._retry_at - time.monotonic())
+        # The error itself (which may name paths) is in the writer's log, not in answers.
         return StorageUnavailable(
-            f"the operational file refuses writes ({self.last_apply_error}); {self.unapplied_rows}"
+            f"the service's storage refuses writes (a full disk?); {self.unapplied_rows}"
             f" acknowledged rows wait for it (the bound is {self.max_backlog_rows}): retry",
             retry_after=wait)
 
