@@ -359,7 +359,8 @@ class JournaledStore:
         return sorted(self._dir.glob("*.journal"))
 
     def _new_segment(self) -> Journal:
-        """The next segment of the series: the spare if it is ready, else a file to append to."""
+        """The next segment of the series: the spare if it is ready, else a file to append to.
+        On an error nothing is added to `_segments` (the caller keeps the current segment)."""
         path = self._dir / f"{self._next_segment:012d}.journal"
         self._next_segment += 1
         spare = self._spare
@@ -367,8 +368,12 @@ class JournaledStore:
             os.rename(spare.path, path)
             self._spare = None
             spare.path = path
+            try:
+                sync_dir(self._dir)
+            except OSError:
+                spare.close()  # left as zeros, which a start reads as no group
+                raise
             self._segments.append(spare)
-            sync_dir(self._dir)
             journal = spare
         else:
             journal = Journal(path)
