@@ -122,6 +122,11 @@ class HttpMetrics:
                                  "Time from a request's arrival to its last response byte",
                                  ["method", "route", "status"], buckets=REQUEST_SECONDS_BUCKETS,
                                  registry=self.registry)
+        self.writer_reply = Histogram("tollgate_writer_reply_seconds",
+                                      "Time from an op's submit to the writer's reply, per lane"
+                                      " (gate calls; event ingestion)", ["lane"],
+                                      buckets=REQUEST_SECONDS_BUCKETS, registry=self.registry)
+        self._reply_lanes: dict[str, Any] = {}
         self.registry.register(_ServiceCollector(self))
         # Per (method, route, status): the two bound children (labels() takes a lock and
         # builds a tuple every time).
@@ -136,6 +141,12 @@ class HttpMetrics:
             self._children[key] = children
         children[0].inc()
         children[1].observe(seconds)
+
+    def observe_writer_reply(self, lane: str, seconds: float) -> None:
+        observe = self._reply_lanes.get(lane)
+        if observe is None:
+            observe = self._reply_lanes[lane] = self.writer_reply.labels(lane).observe
+        observe(seconds)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

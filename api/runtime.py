@@ -40,7 +40,7 @@ from warehouse.catalog_store import CatalogStore
 from warehouse.keys import ServiceKeyStore
 from warehouse.usage_query import LakeReader
 from warehouse.writer import RemoteFailure, WriterClient
-from writer.ops import RESULT_TYPES
+from writer.ops import BULK_OPS, RESULT_TYPES
 
 __all__ = ["MAX_WRITER_RESTARTS", "RESTART_WINDOW_SECONDS", "RETRY_AFTER_SECONDS", "Runtime",
            "WriterRefused"]
@@ -93,6 +93,8 @@ class Runtime:
         self.on_fatal: Callable[[], None] | None = None
         self.writer_restarts = 0
         self._stopping = False
+        # Told each writer reply's lane and time (the HTTP process's metrics set it).
+        self.on_writer_reply: Callable[[str, float], None] | None = None
         # The lake, read by POST /reports/usage: attached on first use.
         self.lake_reader = LakeReader(settings.data_dir)
 
@@ -128,7 +130,8 @@ class Runtime:
             ours.close()
             raise
         self.schema_version = int(hello["schema_version"])
-        writer = WriterClient(ours, RESULT_TYPES, deadline_seconds=self.settings.writer_deadline_seconds)
+        writer = WriterClient(ours, RESULT_TYPES, deadline_seconds=self.settings.writer_deadline_seconds,
+                              bulk=BULK_OPS, on_reply=self.on_writer_reply)
         await writer.start()
         self.writer = writer
         self.writer_state = "running"

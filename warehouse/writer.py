@@ -168,17 +168,19 @@ def run_writer(
     tick: Callable[[duckdb.DuckDBPyConnection], None] | None = None,
     tick_seconds: float = 0.5,
     after_group: Callable[[JournaledStore], None] | None = None,
-    on_group: Callable[[int, float, bool], None] | None = None,
+    on_group: Callable[[str, int, float, float, bool], None] | None = None,
     clock: Clock = SYSTEM_CLOCK,
+    bulk: tuple[type, ...] = (),
 ) -> None:
     """The writer process's loop; returns when the service closes its end of the socket.
 
     `tick` runs every `tick_seconds` between groups (lease expiry and other timed work), on
     the connection, right after the waiting rows were handed to the applier (they may not be
     in the file yet: a tick that reads the file must call `store.reading()`); `after_group`
-    runs after each group's replies are sent; `on_group` is told each group's number of ops,
-    its time from the first decision to the durable commit (seconds), and whether it
-    committed (the writer's metrics)."""
+    runs after each group's replies are sent; `on_group` is told each group's lane (`gate`,
+    `ingest`: the op types of `bulk`, or `mixed`), its number of ops, its time from the first
+    decision to the durable commit and the commit's own part (journal append and sync, in
+    seconds), and whether it committed (the writer's metrics)."""
     buf = bytearray()
     next_tick = time.monotonic() + tick_seconds
     sock.setblocking(False)
@@ -205,9 +207,11 @@ def run_writer(
                 replies: list[Any] = []
                 if requests:
                     began = time.perf_counter()
-                    replies, committed = _run_group(store, requests, handlers, on_rollback, clock.now())
+                    replies, committed, commit_s = _run_group(store, requests, handlers, on_rollback,
+                                                              clock.now())
                     if on_group is not None:
-                        on_group(len(requests), time.perf_counter() - began, committed)
+                        on_group(_lane(requests, bulk), len(requests), time.perf_counter() - began,
+                                 commit_s, committed)
                 sock.setblocking(True)
                 sock.sendall(b"".join(_reply_frame(r) for r in replies + refused))
                 sock.setblocking(False)
@@ -235,10 +239,15 @@ def run_writer(
             next_tick = time.monotonic() + tick_seconds
 
 
+def _lane(requests: list[tuple[int, Any]], bulk: tuple[type, ...]) -> str:
+    kinds = {isinstance(op, bulk) for _, op in requests}
+    return "mixed" if len(kinds) > 1 else "ingest" if True in kinds else "gate"
+
+
 def _run_group(store: JournaledStore, requests: list[tuple[int, Any]],
                handlers: dict[type, Handler],
                on_rollback: Callable[[JournaledStore], None],
-               now: datetime) -> tuple[list[tuple[int, bool, Any]], bool]:
+               now: datetime) -> tuple[list[tuple[int, bool, Any]], bool, float]:
     replies: list[tuple[int, bool, Any]] = []
     pending: list[tuple[int, Callable[[], Any]]] = []
     tx = Transaction(store, now)
@@ -254,14 +263,16 @@ def _run_group(store: JournaledStore, requests: list[tuple[int, Any]],
                 replies.append((rid, True, outcome()))
             except Exception as exc:
                 replies.append((rid, False, _failure(exc)))
+        began = time.perf_counter()
         tx.commit()
+        commit_s = time.perf_counter() - began
     except Exception as exc:
         log.exception("group commit failed; %d ops rolled back", len(pending))
         on_rollback(store)
         failure = {"status": 503, "code": "STORAGE.UNAVAILABLE",
                    "message": f"the write could not be committed; retry ({exc.__class__.__name__})"}
-        return [(rid, False, failure) for rid, _ in requests], False
-    return replies, True
+        return [(rid, False, failure) for rid, _ in requests], False, 0.0
+    return replies, True, commit_s
 
 
 def unavailable(message: str) -> dict[str, Any]:
@@ -278,12 +289,17 @@ class WriterClient(asyncio.Protocol):
     sweeps the oldest waiting ops, so an op costs a clock reading, not a timer of its own."""
 
     def __init__(self, sock: socket.socket, result_types: dict[type, Any], *,
-                 deadline_seconds: float = 10.0) -> None:
+                 deadline_seconds: float = 10.0, bulk: tuple[type, ...] = (),
+                 on_reply: Callable[[str, float], None] | None = None) -> None:
         self._sock = sock
+        # Op types of the `ingest` lane (the rest are `gate`), and what is told each reply's
+        # lane and time from submit (the HTTP process's metrics).
+        self._bulk = bulk
+        self._on_reply = on_reply
         self._result_types = result_types
         self._next_id = 1
         # In id order, so the oldest waiting op is always the first.
-        self._waiting: dict[int, tuple[asyncio.Future[Any], Any, float]] = {}
+        self._waiting: dict[int, tuple[asyncio.Future[Any], Any, float, str]] = {}
         self._reply_decoder = msgspec.msgpack.Decoder(tuple[int, bool, msgspec.Raw])
         self._failure_decoder = msgspec.msgpack.Decoder(dict[str, Any])
         self._outgoing: list[bytes] = []
@@ -330,7 +346,8 @@ class WriterClient(asyncio.Protocol):
         rid = self._next_id
         self._next_id += 1
         fut: asyncio.Future[Any] = loop.create_future()
-        self._waiting[rid] = (fut, self._result_types[type(op)], loop.time())
+        self._waiting[rid] = (fut, self._result_types[type(op)], loop.time(),
+                              "ingest" if isinstance(op, self._bulk) else "gate")
         # Ops of one turn of the event loop leave in one write: one system call instead of
         # one per request, and the writer reads them as one group.
         if not self._outgoing:
@@ -352,7 +369,7 @@ class WriterClient(asyncio.Protocol):
             expired = 0
             while waiting:
                 rid = next(iter(waiting))
-                fut, _, sent = waiting[rid]
+                fut, _, sent, _ = waiting[rid]
                 if sent > limit:
                     break
                 del waiting[rid]
@@ -370,13 +387,17 @@ class WriterClient(asyncio.Protocol):
         buf = self._buf
         buf += data
         waiting = self._waiting
+        on_reply = self._on_reply
+        now = self._loop.time() if on_reply is not None and self._loop is not None else 0.0
         for body in _frames(buf):
             rid, ok, raw = self._reply_decoder.decode(body)
             entry = waiting.pop(rid, None)
             if entry is None:  # its op passed the deadline and was answered already
                 self.late_replies += 1
                 continue
-            fut, result_type, _ = entry
+            fut, result_type, sent, lane = entry
+            if on_reply is not None:
+                on_reply(lane, now - sent)
             if fut.done():
                 continue
             if ok:
@@ -390,7 +411,7 @@ class WriterClient(asyncio.Protocol):
         self.closed = True
         if self._sweeper is not None:
             self._sweeper.cancel()
-        for fut, _, _ in self._waiting.values():
+        for fut, _, _, _ in self._waiting.values():
             if not fut.done():
                 fut.set_exception(RemoteFailure(unavailable(
                     "the writer process went away; the request may or may not have been stored: retry")))

@@ -38,6 +38,7 @@ from writer.events.ingest import IngestHandler
 from writer.gate.book import GateBook
 from writer.metrics import WriterMetrics
 from writer.ops import (
+    BULK_OPS,
     OPS,
     AuthorizeOp,
     CancelOp,
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     exporter_thread = run_exporter_thread(conn, settings.data_dir, stop, exporter=exporter)
     run_writer(store, sock, decode_request, handlers, on_rollback=rebuild, tick=tick, clock=clock,
                after_group=after_group, tick_seconds=0.25,
-               on_group=metrics.on_group if metrics is not None else None)
+               on_group=metrics.on_group if metrics is not None else None, bulk=BULK_OPS)
     rate_singles()  # what the last tick did not reach
     store.close()  # everything into the file first, so the exporter's last round ships it
     stop.set()
