@@ -61,6 +61,7 @@ def log_lines(path: Path) -> list[dict[str, Any]]:
 
 
 def test_metrics_count_the_calls_made(service: Service) -> None:
+    time.sleep(0.6)  # the writer's file shows the ops of earlier tests (it is written every 0.25 s)
     before = scrape(service)
     tokens = []
     for _ in range(3):
@@ -105,6 +106,12 @@ def test_metrics_count_the_calls_made(service: Service) -> None:
         value(after, count, **labels)
     # Six ops reached the writer (the refused call did not), in one to six groups.
     assert ops == 6
+    # Per lane: the four gate calls in the gate's groups, the two events in the ingest lane's.
+    for lane, count in (("gate", 4), ("ingest", 2)):
+        assert value(after, "tollgate_writer_group_ops_sum", lane=lane) - \
+            value(before, "tollgate_writer_group_ops_sum", lane=lane) == count
+        assert value(after, "tollgate_writer_reply_seconds_count", lane=lane) - \
+            value(before, "tollgate_writer_reply_seconds_count", lane=lane) == count
     groups = total(after, "tollgate_writer_group_ops_count") - total(before, "tollgate_writer_group_ops_count")
     assert 1 <= groups <= 6
     assert total(after, "tollgate_writer_group_seconds_count") - \

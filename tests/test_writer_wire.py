@@ -128,3 +128,73 @@ def test_a_frame_the_writer_cannot_decode_is_answered_when_it_can_and_the_writer
     ours.close()  # the service's end closes: the loop returns
     thread.join(10)
     assert ended == [None]
+
+
+class Bulk(msgspec.Struct, tag=True):
+    events: int
+
+
+class _Count:
+    def apply(self, tx: Any, op: Bulk) -> Any:
+        return lambda: op.events
+
+
+def test_gate_ops_are_committed_before_waiting_ingest_ops_which_go_in_budgeted_groups() -> None:
+    """Three 1000-event ops, then a gate op, arrive in one read: the gate op's group commits
+    first, then the ingest ops in groups of at most the budget (1,500 events: one op each, as
+    two would pass it), alternating with gate ops that arrive meanwhile."""
+    ours, theirs = socket.socketpair()
+    decoder = msgspec.msgpack.Decoder(tuple[int, Ping | Bulk])
+    groups: list[tuple[str, int]] = []
+
+    def writer() -> None:
+        run_writer(_Store(), theirs, decoder.decode,  # type: ignore[arg-type]
+                   {Ping: _Double(), Bulk: _Count()},  # type: ignore[dict-item]
+                   on_rollback=lambda store: None, tick_seconds=30,
+                   on_group=lambda lane, ops, seconds, commit_s, ok: groups.append((lane, ops)),
+                   bulk=(Bulk,), bulk_budget=lambda op: op.events, bulk_group_budget=1500)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    ours.sendall(_frame((1, Bulk(1000))) + _frame((2, Bulk(1000))) + _frame((3, Bulk(1000)))
+                 + _frame((4, Ping(1))) + _frame((5, Ping(2))) + _frame((6, Bulk(200))))
+    replies = _read_frames(ours, 6)
+    assert [r[0] for r in replies] == [4, 5, 1, 2, 3, 6]
+    assert replies[0] == [4, True, 2] and replies[2] == [1, True, 1000]
+    # Bulk 3 (1,000) and Bulk 6 (200) fit one group of 1,500.
+    assert groups == [("gate", 2), ("ingest", 1), ("ingest", 1), ("ingest", 2)]
+    ours.close()
+    thread.join(10)
+
+
+def test_a_gate_op_arriving_while_ingest_ops_wait_goes_next() -> None:
+    """Ingest ops waiting do not hold a gate op that arrives after them for more than one
+    ingest group: the lanes alternate."""
+    ours, theirs = socket.socketpair()
+    decoder = msgspec.msgpack.Decoder(tuple[int, Ping | Bulk])
+    groups: list[tuple[str, int]] = []
+    gate_sent = threading.Event()
+
+    class _Slow:
+        def apply(self, tx: Any, op: Bulk) -> Any:
+            gate_sent.wait(5)  # the gate op arrives while this group is being decided
+            return lambda: op.events
+
+    def writer() -> None:
+        run_writer(_Store(), theirs, decoder.decode,  # type: ignore[arg-type]
+                   {Ping: _Double(), Bulk: _Slow()},  # type: ignore[dict-item]
+                   on_rollback=lambda store: None, tick_seconds=30,
+                   on_group=lambda lane, ops, seconds, commit_s, ok: groups.append((lane, ops)),
+                   bulk=(Bulk,), bulk_budget=lambda op: op.events, bulk_group_budget=1000)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    ours.sendall(b"".join(_frame((i, Bulk(1000))) for i in range(1, 5)))
+    time.sleep(0.2)
+    ours.sendall(_frame((9, Ping(4))))
+    gate_sent.set()
+    replies = _read_frames(ours, 5)
+    assert [r[0] for r in replies] == [1, 9, 2, 3, 4]
+    assert groups[:2] == [("ingest", 1), ("gate", 1)]
+    ours.close()
+    thread.join(10)

@@ -101,6 +101,11 @@ class _Adapter:
         self.apply = method
 
 
+def _events_of(op: IngestOp) -> int:
+    """What an ingest op costs of a group's budget (TOLLGATE_WRITER_GROUP_EVENTS)."""
+    return len(op.events)
+
+
 def _die_with_parent() -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -223,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     exporter_thread = run_exporter_thread(conn, settings.data_dir, stop, exporter=exporter)
     run_writer(store, sock, decode_request, handlers, on_rollback=rebuild, tick=tick, clock=clock,
                after_group=after_group, tick_seconds=0.25,
-               on_group=metrics.on_group if metrics is not None else None, bulk=BULK_OPS)
+               on_group=metrics.on_group if metrics is not None else None, bulk=BULK_OPS,
+               bulk_budget=_events_of, bulk_group_budget=settings.writer_group_events)
     rate_singles()  # what the last tick did not reach
     store.close()  # everything into the file first, so the exporter's last round ships it
     stop.set()
