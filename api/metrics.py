@@ -26,7 +26,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
@@ -66,6 +66,13 @@ class _ServiceCollector(Collector):
                                     value=writer.send_buffer_bytes)
             yield GaugeMetricFamily("tollgate_writer_up", "1 while the writer process is connected",
                                     value=0 if writer.closed else 1)
+        if runtime is not None:
+            yield GaugeMetricFamily("tollgate_ingest_queue_bytes",
+                                    "Body bytes of event requests admitted and not yet answered",
+                                    value=runtime.ingest_bytes)
+            yield CounterMetricFamily("tollgate_ingest_refused",
+                                      "Event requests answered 503 STORAGE.BUSY (the ingest queue was full)",
+                                      value=runtime.ingest_refused)
         families["tollgate_process_resident_memory_bytes"] = rss_family("http")
         folder = self.owner.folder
         values: dict[str, float] = {}

@@ -39,7 +39,7 @@ backpressure"), each a positive number:
 
 | environment variable                  | default  | what it sets                                        |
 |---------------------------------------|----------|-----------------------------------------------------|
-| TOLLGATE_WRITER_GROUP_EVENTS          | 1000     | events per ingest group of the writer; a gate op waits for at most one such group |
+| TOLLGATE_WRITER_GROUP_EVENTS          | 500      | events per ingest group of the writer (a larger op is cut); a gate op waits for at most one such group |
 | TOLLGATE_INGEST_QUEUE_BYTES           | 8388608  | body bytes of event requests an HTTP process holds until answered; past it: 503 `STORAGE.BUSY` |
 | TOLLGATE_DECODE_PROCESSES             | 1        | processes per HTTP process that decode, validate and hash event batches; 0: on the HTTP loop |
 """
@@ -205,7 +205,7 @@ class Settings:
     # STORAGE.UNAVAILABLE with Retry-After (`warehouse.writer.WriterClient`).
     writer_deadline_seconds: float = 10.0
     # Events per group of the writer's ingest lane (`warehouse.writer.run_writer`).
-    writer_group_events: int = 1000
+    writer_group_events: int = 500
     # The ingest queue's bound (`api.runtime.Runtime.ingest_admission`).
     ingest_queue_bytes: int = 8 * 1024 * 1024
     # Decoding processes for event batches (`api.events.decoders`); 0: on the HTTP loop.
@@ -233,7 +233,7 @@ class Settings:
             flow_memory_limit=env.get("TOLLGATE_FLOW_MEMORY_LIMIT") or "1GB",
             prefect_api_idle_seconds=_whole_number(env, "TOLLGATE_PREFECT_API_IDLE_SECONDS", 600),
             writer_deadline_seconds=_positive_seconds(env, "TOLLGATE_WRITER_DEADLINE_SECONDS", 10.0),
-            writer_group_events=_positive_int(env, "TOLLGATE_WRITER_GROUP_EVENTS", 1000),
+            writer_group_events=_positive_int(env, "TOLLGATE_WRITER_GROUP_EVENTS", 500),
             ingest_queue_bytes=_positive_int(env, "TOLLGATE_INGEST_QUEUE_BYTES", 8 * 1024 * 1024),
             decode_processes=_whole_number(env, "TOLLGATE_DECODE_PROCESSES", 1),
             log_format=_log_format(env),
