@@ -66,6 +66,10 @@ class _ServiceCollector(Collector):
                                     value=writer.send_buffer_bytes)
             yield GaugeMetricFamily("tollgate_writer_up", "1 while the writer process is connected",
                                     value=0 if writer.closed else 1)
+            yield GaugeMetricFamily("tollgate_storage_refusing",
+                                    "1 while the writer refuses writes because the operational file"
+                                    " does (503 STORAGE.UNAVAILABLE; /healthz not ready)",
+                                    value=1 if writer.refusing and not writer.closed else 0)
         if runtime is not None:
             yield GaugeMetricFamily("tollgate_ingest_queue_bytes",
                                     "Body bytes of event requests admitted and not yet answered",

@@ -75,7 +75,7 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "FEATURE.METER_NOT_ALLOWED": (422, "A meter of the commit is not a meter of the feature; `errors` names each."),
     "LIMIT.RATE_EXCEEDED": (429, "A rate limit of the feature is full; retry after `Retry-After` seconds (hint `rate.limit`)."),
     "INTERNAL.ERROR": (500, "An unexpected failure, logged with the trace id; no detail is sent."),
-    "STORAGE.UNAVAILABLE": (503, "The writer could not make the request durable, is restarting, or did not answer within its deadline: retry after `Retry-After` seconds (a retried event already stored is answered as a duplicate; a gate call replays under its `Idempotency-Key`)."),
+    "STORAGE.UNAVAILABLE": (503, "The writer could not make the request durable, is restarting, did not answer within its deadline, or refuses writes while the operational file does (a full disk): retry after `Retry-After` seconds (a retried event already stored is answered as a duplicate; a gate call replays under its `Idempotency-Key`)."),
     "STORAGE.BUSY": (503, "Event ingestion is at its bound (the requests waiting for storage in this HTTP process); nothing of the request was read or stored: retry after `Retry-After` seconds. Gate calls are not refused by it."),
     "SERVICE.BUSY": (503, "The service holds as many connections as it takes, or is stopping; retry after `Retry-After` seconds. The connection is closed."),
 }
@@ -203,8 +203,8 @@ ROUTES: tuple[Route, ...] = (
           errors=("INTERNAL.ERROR", "REQUEST.HEADERS_TOO_LARGE", "REQUEST.TIMEOUT"),
           headers=(REQUEST_ID,),
           description="Unsigned. 200 when the service and its writer are ready; 503 with the same "
-                      "body (`ok: true`) while starting or when the writer is down, `reasons` "
-                      "saying which. Names no realm, account or key."),
+                      "body (`ok: true`) while starting, when the writer is down, or while it refuses writes "
+                      "because the operational file does, `reasons` saying which. Names no realm, account or key."),
     Route("HEAD", "/healthz", "healthz_head", "Readiness, as a status alone", "ops",
           {200: None, 503: None}, signed=False, headers=(REQUEST_ID,),
           description="Unsigned; for load balancers that probe with HEAD."),

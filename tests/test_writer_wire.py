@@ -89,6 +89,10 @@ class _Store:
     MAX_PENDING_ROWS = 1_000_000
     pending_rows = 0
     conn = None
+    refusing = False  # the file always takes writes
+
+    def retry_due(self) -> bool:
+        return True
 
     def commit(self, rows: dict[str, list[Any]]) -> None:
         pass

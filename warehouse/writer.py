@@ -25,6 +25,14 @@ Wire: frames of a 4-byte big-endian length and a msgpack body. Request `[id, op]
 A request the writer cannot decode is answered with a 500 when its id can be read, and
 skipped (logged) when not: a bad frame never ends the writer.
 
+While the store is `refusing` (the operational file refuses writes and the journal holds as
+many rows beyond it as it may), every op but the read-only ones is answered 503
+`STORAGE.UNAVAILABLE` with `Retry-After` before it is decided; if the in-memory state could
+not be rebuilt after a failed group (the file cannot take the journal's rows), every op is,
+until a tick manages it. Neither ends the writer. The writer tells the service when either
+starts or ends with a status frame, `[0, true, {"refusing": bool, "reason": str}]` (request
+ids start at 1), which `/healthz` reports.
+
 The client gives every op a deadline: an op still unanswered after it fails with 503
 `STORAGE.UNAVAILABLE`, and its late reply, if one comes, is dropped. When the writer's end
 closes, every op in flight fails at once the same way and `lost` completes (the service's
@@ -48,9 +56,10 @@ import duckdb
 import msgspec
 
 from core.clock import SYSTEM_CLOCK, Clock
-from warehouse.journal import DirectStore, JournaledStore
+from warehouse.journal import DirectStore, JournaledStore, StorageUnavailable
 
-__all__ = ["Handler", "RemoteFailure", "Transaction", "WriterClient", "run_writer", "unavailable"]
+__all__ = ["Handler", "LoopStatus", "RemoteFailure", "Transaction", "WriterClient", "run_writer",
+           "unavailable"]
 
 log = logging.getLogger("tollgate.writer")
 _LEN = struct.Struct(">I")
@@ -163,6 +172,39 @@ def _refuse_frame(frame: bytes, exc: Exception, refused: list[tuple[int, bool, A
                                  "message": "the writer could not read the request"}))
 
 
+class LoopStatus:
+    """What the writer loop refuses, for its metrics and its status frames."""
+
+    __slots__ = ("stale", "refused_ops", "sent")
+
+    def __init__(self) -> None:
+        # Why the in-memory state awaits a rebuild from the file (every op refused); "" if not.
+        self.stale = ""
+        self.refused_ops = 0  # ops answered 503 before they were decided
+        self.sent: tuple[bool, str] = (False, "")  # the last status frame sent
+
+    def current(self, store: JournaledStore) -> tuple[bool, str]:
+        if self.stale:
+            return True, "storage: the writer waits for the operational file to take the journal's rows"
+        if store.refusing:
+            return True, (f"storage: the operational file refuses writes; {store.unapplied_rows}"
+                          " acknowledged rows wait for it")
+        return False, ""
+
+
+def _status_frame(status: LoopStatus, store: JournaledStore) -> bytes:
+    """A status frame if the status changed since the last one, else nothing."""
+    now = status.current(store)
+    if now == status.sent:
+        return b""
+    status.sent = now
+    if now[0]:
+        log.error("refusing writes: %s", now[1])
+    else:
+        log.warning("taking writes again")
+    return _frame(_encode((0, True, {"refusing": now[0], "reason": now[1]})))
+
+
 def run_writer(
     store: JournaledStore,
     sock: socket.socket,
@@ -181,6 +223,8 @@ def run_writer(
     rider_budget: int = 0,
     split: Callable[[Any, int], tuple[Any, Any]] | None = None,
     join: Callable[[list[Any]], Any] = lambda parts: parts,
+    read_only: frozenset[type] = frozenset(),
+    status: LoopStatus | None = None,
 ) -> None:
     """The writer process's loop; returns when the service closes its end of the socket.
 
@@ -208,7 +252,8 @@ def run_writer(
     runs after each group's replies are sent; `on_group` is told each group's lane (`gate`,
     `ingest`), its number of ops, its time from the first decision to the durable commit and
     the commit's own part (journal append and sync, in seconds), and whether it committed
-    (the writer's metrics)."""
+    (the writer's metrics). Ops of a `read_only` type are answered while writes are refused;
+    `status` is kept up to date (a new one when not given)."""
     buf = bytearray()
     next_tick = time.monotonic() + tick_seconds
     gate: list[tuple[int, Any]] = []
@@ -216,6 +261,23 @@ def run_writer(
     parts: dict[int, list[Any]] = {}  # outcomes of the committed parts of ops cut by `split`
     last_lane = "ingest"
     sock.setblocking(False)
+    status = status if status is not None else LoopStatus()
+
+    def rollback(s: JournaledStore) -> None:
+        # A failed group may have changed the in-memory state: rebuild it from the file.
+        # If the file cannot take the journal's rows, refuse every op until it can.
+        try:
+            on_rollback(s)
+        except Exception as exc:
+            if not status.stale:
+                log.error("the writer's state could not be rebuilt from the operational file;"
+                          " every op is refused until it can be", exc_info=exc)
+            status.stale = f"{type(exc).__name__}: {exc}"
+        else:
+            if status.stale:
+                log.warning("the writer's state is rebuilt from the operational file")
+            status.stale = ""
+
     while True:
         wait = 0.0 if gate or ingest else max(0.0, next_tick - time.monotonic())
         readable, _, _ = select.select([sock], [], [], wait)
@@ -236,6 +298,12 @@ def run_writer(
                     _refuse_frame(frame, exc, refused)
                     continue
                 (ingest if isinstance(request[1], bulk) else gate).append(request)
+        if (gate or ingest) and (status.stale or store.refusing):
+            gate = _refuse_writes(store, status, gate, read_only, refused)
+            if ingest:
+                ingest = deque(_refuse_writes(store, status, list(ingest), read_only, refused))
+            for rid, _, _ in refused:
+                parts.pop(rid, None)  # a cut op whose tail was refused: answered with that
         lane, requests = "", list[tuple[int, Any]]()
         head_rides = bool(ingest) and bulk_budget(ingest[0][1]) <= rider_budget
         if gate and (last_lane == "ingest" or not ingest or head_rides):
@@ -268,14 +336,15 @@ def run_writer(
             if requests:
                 last_lane = lane
                 began = time.perf_counter()
-                replies, committed, commit_s = _run_group(store, requests, handlers, on_rollback,
+                replies, committed, commit_s = _run_group(store, requests, handlers, rollback,
                                                           clock.now())
                 if on_group is not None:
                     on_group(lane, len(requests), time.perf_counter() - began, commit_s, committed)
                 if parts or (ingest and any(rid == ingest[0][0] for rid, _ in requests)):
                     replies = _gather_parts(replies, parts, ingest, join)
             sock.setblocking(True)
-            sock.sendall(b"".join(_reply_frame(r) for r in replies + refused))
+            sock.sendall(b"".join(_reply_frame(r) for r in replies + refused)
+                         + _status_frame(status, store))
             sock.setblocking(False)
             if requests and after_group is not None:
                 # Work that follows a durable group and must never change its replies
@@ -294,10 +363,17 @@ def run_writer(
         if time.monotonic() >= next_tick:
             try:
                 store.materialize_soon()
+                if status.stale and store.retry_due():
+                    rollback(store)
                 if tick is not None:
                     tick(store.conn)
             except Exception:
                 log.exception("writer tick failed")
+            frame = _status_frame(status, store)
+            if frame:
+                sock.setblocking(True)
+                sock.sendall(frame)
+                sock.setblocking(False)
             next_tick = time.monotonic() + tick_seconds
 
 
@@ -323,6 +399,27 @@ def _gather_parts(replies: list[tuple[int, bool, Any]], parts: dict[int, list[An
         else:
             out.append((rid, ok, value))
     return out
+
+
+def _refuse_writes(store: JournaledStore, status: LoopStatus, requests: list[tuple[int, Any]],
+                   read_only: frozenset[type],
+                   refused: list[tuple[int, bool, Any]]) -> list[tuple[int, Any]]:
+    """Answer 503 to every op that may write (every op while the state is stale) before it
+    is decided; the ops left to run."""
+    if status.stale:
+        failure = StorageUnavailable("the writer waits for the operational file to take the"
+                                     " journal's rows before it decides anything: retry").to_wire()
+        kept: list[tuple[int, Any]] = []
+    else:
+        failure = store.refusal().to_wire()
+        kept = [(rid, op) for rid, op in requests if type(op) in read_only]
+    if len(kept) < len(requests):
+        allowed = {rid for rid, _ in kept}
+        for rid, _ in requests:
+            if rid not in allowed:
+                refused.append((rid, False, failure))
+        status.refused_ops += len(requests) - len(kept)
+    return kept
 
 
 def _run_group(store: JournaledStore, requests: list[tuple[int, Any]],
@@ -391,6 +488,8 @@ class WriterClient(asyncio.Protocol):
         self._sweep_every = max(0.01, min(0.25, deadline_seconds / 4))
         self._sweeper: asyncio.TimerHandle | None = None
         self.late_replies = 0
+        # Why the writer refuses writes, from its latest status frame; "" while it takes them.
+        self.refusing = ""
         self.closed = False
         # Completes when the writer's end has closed (or this end was closed).
         self.lost: asyncio.Future[None] | None = None
@@ -472,6 +571,11 @@ class WriterClient(asyncio.Protocol):
         now = self._loop.time() if on_reply is not None and self._loop is not None else 0.0
         for body in _frames(buf):
             rid, ok, raw = self._reply_decoder.decode(body)
+            if rid == 0:  # a status frame (see the module's doc)
+                state = self._failure_decoder.decode(raw)
+                self.refusing = str(state.get("reason") or "storage refuses writes") \
+                    if state.get("refusing") else ""
+                continue
             entry = waiting.pop(rid, None)
             if entry is None:  # its op passed the deadline and was answered already
                 self.late_replies += 1

@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 from core.metrics import rss_family, write_registry
 from warehouse.export import STREAMS, LakeExporter
 from warehouse.journal import JournaledStore
+from warehouse.writer import LoopStatus
 
 __all__ = ["WriterMetrics"]
 
@@ -45,6 +46,21 @@ class _StateCollector(Collector):
         yield CounterMetricFamily("tollgate_journal_apply_failures",
                                   "Failed applies of journaled groups to the operational file",
                                   value=store.apply_failures)
+        yield GaugeMetricFamily("tollgate_journal_unapplied_rows",
+                                "Acknowledged rows not yet in the operational file",
+                                value=store.unapplied_rows)
+        yield GaugeMetricFamily("tollgate_journal_backlog_limit_rows",
+                                "Unapplied rows past which writes are refused while the file refuses them",
+                                value=store.max_backlog_rows)
+        failing = store.failing_since
+        yield GaugeMetricFamily("tollgate_storage_failing_seconds",
+                                "Seconds since the operational file began refusing writes (0: it takes them)",
+                                value=0.0 if failing is None else max(0.0, time.monotonic() - failing))
+        status = self.owner.status
+        if status is not None:
+            yield CounterMetricFamily("tollgate_writer_refused_ops",
+                                      "Ops answered 503 before being decided, while storage refused writes",
+                                      value=status.refused_ops)
         yield CounterMetricFamily("tollgate_writer_group_failures",
                                   "Groups that could not be committed (their ops answered 503)",
                                   value=self.owner.group_failures)
@@ -77,9 +93,10 @@ class _StateCollector(Collector):
 
 class WriterMetrics:
     def __init__(self, store: JournaledStore, path: Path,
-                 exporter: LakeExporter | None = None) -> None:
+                 exporter: LakeExporter | None = None, status: LoopStatus | None = None) -> None:
         self.store = store
         self.exporter = exporter
+        self.status = status
         self.path = path
         self.group_failures = 0
         self.registry = CollectorRegistry(auto_describe=False)
