@@ -226,9 +226,11 @@ async def run_phase(server: Server, name: str, seconds: float, events: Events, *
     before = await scrape(server)
     sweeper = loader = None
     if sweep:
+        # Its own Prefect server, which ends with the run (none is kept for the next).
         sweeper = subprocess.Popen([sys.executable, "-m", "cli", "flows", "run", "rate-events",
                                     "--data-dir", str(server.data_dir)], cwd=ROOT,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                   env={**os.environ, "TOLLGATE_PREFECT_API_IDLE_SECONDS": "0"})
     if ingest is not None:
         ours, theirs = multiprocessing.Pipe()
         events.n += 10_000_000  # each phase's events are new
