@@ -27,7 +27,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
@@ -81,6 +81,21 @@ class _ServiceCollector(Collector):
                                     value=writer.send_buffer_bytes)
             yield GaugeMetricFamily("tollgate_writer_up", "1 while the writer process is connected",
                                     value=0 if writer.closed else 1)
+        # The writer's status frames reach every worker alike: this worker's view is the service's.
+        seen = getattr(runtime, "writer", None) if runtime is not None else None
+        if seen is not None:
+            yield GaugeMetricFamily("tollgate_storage_refusing",
+                                    "1 while the writer refuses writes because the operational file"
+                                    " does (503 STORAGE.UNAVAILABLE; /healthz not ready)",
+                                    value=1 if seen.refusing and not seen.closed else 0)
+        if runtime is not None:
+            # This worker's queue (each worker bounds its own; docs/operations.md).
+            yield GaugeMetricFamily("tollgate_ingest_queue_bytes",
+                                    "Body bytes of event requests admitted and not yet answered",
+                                    value=runtime.ingest_bytes)
+            yield CounterMetricFamily("tollgate_ingest_refused",
+                                      "Event requests answered 503 STORAGE.BUSY (the ingest queue was full)",
+                                      value=runtime.ingest_refused)
         if shared is None:
             families["tollgate_process_resident_memory_bytes"] = rss_family("http")
         folder = self.owner.folder
@@ -164,6 +179,11 @@ class HttpMetrics:
                                  "Time from a request's arrival to its last response byte",
                                  ["method", "route", "status"], buckets=REQUEST_SECONDS_BUCKETS,
                                  registry=counted)
+        self.writer_reply = Histogram("tollgate_writer_reply_seconds",
+                                      "Time from an op's submit to the writer's reply, per lane"
+                                      " (gate calls; event ingestion)", ["lane"],
+                                      buckets=REQUEST_SECONDS_BUCKETS, registry=counted)
+        self._reply_lanes: dict[str, Any] = {}
         self.registry.register(_ServiceCollector(self))
         # Per (method, route, status): the two bound children (labels() takes a lock and
         # builds a tuple every time).
@@ -192,6 +212,12 @@ class HttpMetrics:
             self.gauges["tollgate_writer_send_buffer_bytes"].set(writer.send_buffer_bytes)
             self.gauges["tollgate_writer_up"].set(0 if writer.closed else 1)
         self.gauges["rss"].set(rss_bytes())
+
+    def observe_writer_reply(self, lane: str, seconds: float) -> None:
+        observe = self._reply_lanes.get(lane)
+        if observe is None:
+            observe = self._reply_lanes[lane] = self.writer_reply.labels(lane).observe
+        observe(seconds)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -20,12 +20,14 @@ import asyncio
 import gc
 import logging
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from api.auth import AuthContext, Authenticator, NonceLog
-from api.errors import AppError, BadRequest, Unprocessable
+from api.errors import AppError, BadRequest, ServiceUnavailable, Unprocessable
+from api.events.decoders import Decoders
 from api.shared import LocalState, SharedState, StateBook
 from core.clock import SYSTEM_CLOCK, Clock
 from core.layout import unix_socket_call
@@ -35,9 +37,9 @@ from warehouse.catalog_store import CatalogStore
 from warehouse.keys import ServiceKeyStore
 from warehouse.usage_query import LakeReader
 from warehouse.writer import RemoteFailure, WriterClient
-from writer.ops import RESULT_TYPES
+from writer.ops import BULK_OPS, RESULT_TYPES
 
-__all__ = ["RETRY_AFTER_SECONDS", "Runtime", "read_hello"]
+__all__ = ["BUSY_RETRY_AFTER_SECONDS", "RETRY_AFTER_SECONDS", "Runtime", "read_hello"]
 
 log = logging.getLogger("tollgate.runtime")
 # A 503 STORAGE.UNAVAILABLE tells the client to retry after this many seconds: about the time
@@ -46,6 +48,34 @@ RETRY_AFTER_SECONDS = 2
 # How long a worker waits, each try, for the writer to accept its connection and say it is
 # ready (the writer may be applying its journal after a restart); it then tries again.
 CONNECT_WAIT_SECONDS = 5.0
+
+
+# A 503 STORAGE.BUSY (the ingest queue is full) tells the client to retry after this many
+# seconds: the queue's bound is kept to about a second of the writer's work.
+BUSY_RETRY_AFTER_SECONDS = 1
+
+
+class IngestAdmission:
+    """One event request's place in the ingest queue (`Runtime.ingest_admission`)."""
+
+    __slots__ = ("runtime", "held")
+
+    def __init__(self, runtime: Runtime, held: int) -> None:
+        self.runtime = runtime
+        self.held = held
+
+    def read(self, size: int) -> None:
+        """The body was read: hold its real size (a chunked body declared none)."""
+        if size > self.held:
+            self.runtime.ingest_bytes += size - self.held
+            self.held = size
+
+    def __enter__(self) -> IngestAdmission:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.runtime.ingest_bytes -= self.held
+        self.runtime.ingest_requests -= 1
 
 
 class Runtime:
@@ -70,6 +100,14 @@ class Runtime:
         self.writer_state = "down"
         self.writer_restarts = 0
         self._stopping = False
+        # Told each writer reply's lane and time (the HTTP process's metrics set it).
+        self.on_writer_reply: Callable[[str, float], None] | None = None
+        # The ingest queue of this process: event requests admitted and not yet answered, and
+        # their body bytes (bounded by `ingest_queue_bytes`); batches are prepared by `decoders`.
+        self.ingest_bytes = 0
+        self.ingest_requests = 0
+        self.ingest_refused = 0
+        self.decoders = Decoders(settings.decode_processes)
         # The lake, read by POST /reports/usage: attached on first use.
         self.lake_reader = LakeReader(settings.data_dir)
 
@@ -86,6 +124,7 @@ class Runtime:
         self.refresh()
         _ = self.shared  # the nonces of an earlier process are loaded before the first request
         await self._connect_writer(wait=120.0)
+        await self.decoders.start()
         self._tasks.append(asyncio.create_task(self._poll_files()))
         self._tasks.append(asyncio.create_task(self._reconnect()))
         # What is loaded by now lives as long as the process: out of the collector's full
@@ -105,7 +144,8 @@ class Runtime:
             sock.close()
             raise
         self.schema_version = int(hello["schema_version"])
-        writer = WriterClient(sock, RESULT_TYPES, deadline_seconds=self.settings.writer_deadline_seconds)
+        writer = WriterClient(sock, RESULT_TYPES, deadline_seconds=self.settings.writer_deadline_seconds,
+                              bulk=BULK_OPS, on_reply=self.on_writer_reply)
         await writer.start()
         self.writer = writer
         self.writer_state = "running"
@@ -135,6 +175,7 @@ class Runtime:
         self.lake_reader.close()
         for task in self._tasks:
             task.cancel()
+        self.decoders.stop()
         if hasattr(self, "writer"):
             await self.writer.close()
         if self._shared is not None:
@@ -149,6 +190,24 @@ class Runtime:
             if error.status == 503:
                 error.headers.setdefault("Retry-After", str(RETRY_AFTER_SECONDS))
             raise error from None
+
+    def ingest_admission(self, size: int) -> IngestAdmission:
+        """Admit an event request of `size` body bytes (as declared; 0 when not) to the ingest
+        queue, or refuse it with 503 STORAGE.BUSY and Retry-After when the queue's bytes would
+        pass `ingest_queue_bytes`. A request alone in the queue is always admitted (one body
+        larger than the bound would otherwise never be). Use it in a `with` block: the place
+        is held until the request is answered. Gate calls never queue here."""
+        bound = self.settings.ingest_queue_bytes
+        if self.ingest_requests and self.ingest_bytes + size > bound:
+            self.ingest_refused += 1
+            raise ServiceUnavailable(
+                "STORAGE.BUSY",
+                f"event ingestion is at its bound ({bound} bytes of requests waiting for storage);"
+                f" nothing of this request was read or stored: retry after {BUSY_RETRY_AFTER_SECONDS} s",
+                headers={"Retry-After": str(BUSY_RETRY_AFTER_SECONDS)})
+        self.ingest_bytes += size
+        self.ingest_requests += 1
+        return IngestAdmission(self, size)
 
     # ---- catalog and keys -------------------------------------------------------------
     def refresh(self) -> None:

@@ -2,6 +2,8 @@
 
     operational.duckdb   the writer's operational file (outbox, gate book, idempotency)
     journal/             the writer's journal segments, ahead of the operational file
+    index/               the writer's event index and idempotency records (RocksDB,
+                         `warehouse.event_index`)
     journal-quarantine/  segments kept aside by `tollgate journal accept-loss`, and its log
     keys.json            service keys (mode 0600), never in the lake
     nonces/              the nonces of signed requests accepted within the skew window,
@@ -59,6 +61,10 @@ class DataFolder:
     @property
     def journal(self) -> Path:
         return self.root / "journal"
+
+    @property
+    def index(self) -> Path:
+        return self.root / "index"
 
     @property
     def journal_quarantine(self) -> Path:

@@ -260,7 +260,7 @@ class LakeExporter:
         if found == mark:
             return mark
         if last is not None:
-            self._check_same_source(op_conn, lake, found)
+            self._check_same_source(op_conn, lake, found, mark)
         if found.export_id > mark.export_id:
             log.warning("export %s#%d reached the lake before a crash; moving the watermark to seq %d "
                         "without writing again", mark.stream, found.export_id, found.last_seq)
@@ -273,11 +273,15 @@ class LakeExporter:
 
     @staticmethod
     def _check_same_source(op_conn: duckdb.DuckDBPyConnection, lake: duckdb.DuckDBPyConnection,
-                           found: Watermark) -> None:
+                           found: Watermark, mark: Watermark) -> None:
         """The last exported row must be this file's row at that seq: a lake filled from
-        another operational file (or a file started afresh) would otherwise skip rows."""
+        another operational file (or a file started afresh) would otherwise skip rows. A row
+        the file no longer holds left it after its export (`warehouse.retention`): the file's
+        own watermark, at or past it, vouches for it."""
         op_sql, lake_sql = _IDENTITY[found.stream]
         row = op_conn.execute(op_sql, [found.last_seq]).fetchone()
+        if row is None and 0 < found.last_seq <= mark.last_seq:
+            return
         held = None
         if row is not None:
             params = [row[0], found.last_seq] if found.stream == "events" else [row[0]]

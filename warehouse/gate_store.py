@@ -14,6 +14,9 @@ from datetime import datetime
 from typing import Any
 
 import duckdb
+import pyarrow as pa
+
+from warehouse.journal import register_table
 
 __all__ = [
     "committed_totals",
@@ -51,19 +54,19 @@ def leases_to_keep(conn: duckdb.DuckDBPyConnection, ended_since: datetime) -> li
 
 def usage_by_day(conn: duckdb.DuckDBPyConnection, since: datetime) -> list[tuple[Any, ...]]:
     """Committed quantity and amount per realm, account, principal, feature and UTC day, from
-    `since` on."""
+    `since`'s day on (from `gate_usage_days`, kept as commits are applied)."""
     return conn.execute(
         """
-        SELECT realm, billing_account_id, principal_id, feature_code, CAST(committed_at AS DATE),
-               sum(quantity_minor), sum(amount_xusd)
-        FROM commits WHERE committed_at >= ? GROUP BY ALL
+        SELECT realm, billing_account_id, principal_id, feature_code, day, quantity_minor, amount_xusd
+        FROM gate_usage_days WHERE day >= CAST(timezone('UTC', ?::TIMESTAMPTZ) AS DATE)
         """, [since]).fetchall()
 
 
 def committed_totals(conn: duckdb.DuckDBPyConnection) -> list[tuple[Any, ...]]:
-    """Every commit's amount summed per realm and account: what funding subtracts."""
+    """Every commit's amount summed per realm and account: what funding subtracts (from
+    `gate_committed`, kept as commits are applied)."""
     return conn.execute(
-        "SELECT realm, billing_account_id, sum(amount_xusd) FROM commits GROUP BY ALL").fetchall()
+        "SELECT realm, billing_account_id, amount_xusd FROM gate_committed").fetchall()
 
 
 def recorded_grants(conn: duckdb.DuckDBPyConnection) -> list[tuple[Any, ...]]:
@@ -76,10 +79,8 @@ def carried_remainders(conn: duckdb.DuckDBPyConnection) -> list[tuple[Any, ...]]
     """The remainder each (realm, account, meter, pricing fingerprint) carries: its latest
     commit line's."""
     return conn.execute(
-        """
-        SELECT realm, billing_account_id, meter_code, pricing_fingerprint, arg_max(remainder_after, seq)
-        FROM commit_lines WHERE pricing_fingerprint IS NOT NULL GROUP BY ALL
-        """).fetchall()
+        "SELECT realm, billing_account_id, meter_code, pricing_fingerprint, remainder_after "
+        "FROM gate_carry").fetchall()
 
 
 def idempotency_records(conn: duckdb.DuckDBPyConnection, since: datetime) -> list[tuple[Any, ...]]:
@@ -94,11 +95,52 @@ def idempotency_records(conn: duckdb.DuckDBPyConnection, since: datetime) -> lis
 
 def last_seqs(conn: duckdb.DuckDBPyConnection) -> tuple[int, int]:
     """The greatest seq of commit_lines and of commits (0 for none): where the next go on."""
-    row = conn.execute("SELECT coalesce(max(seq), 0) FROM commit_lines").fetchone()
-    line_seq = int(row[0]) if row else 0
-    row = conn.execute("SELECT coalesce(max(seq), 0) FROM commits").fetchone()
-    commit_seq = int(row[0]) if row else 0
-    return line_seq, commit_seq
+    seqs = dict(conn.execute("SELECT stream, last_seq FROM gate_seqs").fetchall())
+    return int(seqs.get("commit_lines", 0)), int(seqs.get("commits", 0))
+
+
+def _staged(rows: list[tuple[Any, ...]]) -> pa.Table:
+    columns = list(zip(*rows, strict=True))
+    return pa.Table.from_arrays([pa.array(c) for c in columns], names=[f"c{i}" for i in range(len(columns))])
+
+
+def write_commits(conn: duckdb.DuckDBPyConnection, rows: list[tuple[Any, ...]]) -> None:
+    """Insert commits (the journal's rows, in the applier's transaction) and add them to the
+    totals, the usage days and the last seq the gate book rebuilds from."""
+    staged = _staged(rows)  # noqa: F841 (read by DuckDB below)
+    conn.execute("INSERT INTO commits SELECT * FROM staged")
+    conn.execute(
+        "INSERT INTO gate_committed SELECT c3, c4, sum(c8) FROM staged GROUP BY ALL "
+        "ON CONFLICT DO UPDATE SET amount_xusd = gate_committed.amount_xusd + excluded.amount_xusd")
+    conn.execute(
+        "INSERT INTO gate_usage_days SELECT c3, c4, c5, c6, CAST(timezone('UTC', c9::TIMESTAMPTZ) AS DATE), "
+        "sum(c7), sum(c8) FROM staged GROUP BY ALL ON CONFLICT DO UPDATE SET "
+        "quantity_minor = gate_usage_days.quantity_minor + excluded.quantity_minor, "
+        "amount_xusd = gate_usage_days.amount_xusd + excluded.amount_xusd")
+    _advance_seq(conn, "commits", max(r[0] for r in rows))
+
+
+def write_commit_lines(conn: duckdb.DuckDBPyConnection, rows: list[tuple[Any, ...]]) -> None:
+    """Insert commit lines and keep each (account, meter, price)'s latest remainder."""
+    staged = _staged(rows)  # noqa: F841 (read by DuckDB below)
+    conn.execute("INSERT INTO commit_lines SELECT * FROM staged")
+    conn.execute(
+        "INSERT INTO gate_carry SELECT c4, c5, c8, c17, arg_max(c15, c0), max(c0) FROM staged "
+        "WHERE c17 IS NOT NULL GROUP BY c4, c5, c8, c17 ON CONFLICT DO UPDATE SET "
+        "remainder_after = CASE WHEN excluded.seq > gate_carry.seq THEN excluded.remainder_after "
+        "ELSE gate_carry.remainder_after END, seq = greatest(gate_carry.seq, excluded.seq)")
+    _advance_seq(conn, "commit_lines", max(r[0] for r in rows))
+
+
+def _advance_seq(conn: duckdb.DuckDBPyConnection, stream: str, seq: int) -> None:
+    conn.execute(
+        "INSERT INTO gate_seqs VALUES (?, ?) "
+        "ON CONFLICT DO UPDATE SET last_seq = greatest(gate_seqs.last_seq, excluded.last_seq)",
+        [stream, seq])
+
+
+register_table("commits", write_commits)
+register_table("commit_lines", write_commit_lines)
 
 
 def record_grants(conn: duckdb.DuckDBPyConnection, rows: list[tuple[Any, ...]]) -> None:

@@ -188,6 +188,56 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
         CREATE TABLE journal_state (applied_seq BIGINT NOT NULL);
         """,
     ),
+    (
+        4,
+        """
+        -- What the gate book rebuilds from, kept as commits and their lines are applied (in
+        -- the same transaction, `warehouse.gate_store`), so that commits and commit lines can
+        -- leave the file (`warehouse.retention`) without changing a balance, a usage window,
+        -- a carried remainder or the next seq; and a start reads these, not history.
+        CREATE TABLE gate_committed (
+            realm              VARCHAR NOT NULL,
+            billing_account_id VARCHAR NOT NULL,
+            amount_xusd        HUGEINT NOT NULL,
+            PRIMARY KEY (realm, billing_account_id)
+        );
+        CREATE TABLE gate_usage_days (
+            realm              VARCHAR NOT NULL,
+            billing_account_id VARCHAR NOT NULL,
+            principal_id       VARCHAR NOT NULL,
+            feature_code       VARCHAR NOT NULL,
+            day                DATE NOT NULL,       -- UTC
+            quantity_minor     HUGEINT NOT NULL,
+            amount_xusd        HUGEINT NOT NULL,
+            PRIMARY KEY (realm, billing_account_id, principal_id, feature_code, day)
+        );
+        CREATE TABLE gate_carry (
+            realm               VARCHAR NOT NULL,
+            billing_account_id  VARCHAR NOT NULL,
+            meter_code          VARCHAR NOT NULL,
+            pricing_fingerprint VARCHAR NOT NULL,
+            remainder_after     BIGINT NOT NULL,
+            seq                 BIGINT NOT NULL,     -- of the commit line it comes from
+            PRIMARY KEY (realm, billing_account_id, meter_code, pricing_fingerprint)
+        );
+        CREATE TABLE gate_seqs (
+            stream   VARCHAR PRIMARY KEY,           -- commits | commit_lines
+            last_seq BIGINT NOT NULL
+        );
+        INSERT INTO gate_committed
+            SELECT realm, billing_account_id, sum(amount_xusd) FROM commits GROUP BY ALL;
+        INSERT INTO gate_usage_days
+            SELECT realm, billing_account_id, principal_id, feature_code,
+                   CAST(timezone('UTC', committed_at) AS DATE), sum(quantity_minor), sum(amount_xusd)
+            FROM commits GROUP BY ALL;
+        INSERT INTO gate_carry
+            SELECT realm, billing_account_id, meter_code, pricing_fingerprint,
+                   arg_max(remainder_after, seq), max(seq)
+            FROM commit_lines WHERE pricing_fingerprint IS NOT NULL GROUP BY ALL;
+        INSERT INTO gate_seqs SELECT 'commits', coalesce(max(seq), 0) FROM commits;
+        INSERT INTO gate_seqs SELECT 'commit_lines', coalesce(max(seq), 0) FROM commit_lines;
+        """,
+    ),
 )
 
 

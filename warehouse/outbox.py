@@ -1,24 +1,27 @@
 """The event outbox: accepted events with their labels, deduplicated atomically.
 
 The dedupe identity is `event_id`, derived from (realm, billing_account_id, request_hash).
-The writer thread keeps the set of every stored `event_id` (as a 128-bit int, about 70 bytes
-an event) and decides new-or-duplicate against it in queue order, so under any concurrency
-exactly one request sees an event as new. New events then go in with a plain Arrow insert;
+The writer thread decides new-or-duplicate against the event index (`warehouse.event_index`,
+every stored id on disk behind a bounded cache) in queue order, so under any concurrency
+exactly one request sees an event as new; a group's new events enter the index as soon as
+the group is durable, before the next group is decided. New events go in with a plain Arrow insert;
 the primary key on `event_id` stays as the file's own guard. Measured here, `INSERT ... ON
 CONFLICT DO NOTHING RETURNING` cost 1.5 ms more per group and a third of batch throughput.
 """
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import duckdb
 import msgspec
 import pyarrow as pa
 
+from warehouse.event_index import EventIndex, MemoryIndex
 from warehouse.journal import register_table
 
-__all__ = ["EventOutbox", "EventRecord", "Stored", "event_key", "write_events"]
+__all__ = ["EventOutbox", "EventRecord", "Stored", "write_events"]
 
 
 class EventRecord(msgspec.Struct, array_like=True, frozen=True):
@@ -62,26 +65,26 @@ _EVENT_SCHEMA = pa.schema([
 
 
 
-def event_key(event_id: str) -> int:
-    """The 128-bit integer of a UUID string: a compact set member."""
-    return int(event_id.replace("-", ""), 16)
-
-
 class EventOutbox:
-    """Owned by the writer thread: stages events during a group, writes them at its flush."""
+    """Owned by the writer thread: stages events during a group, writes them at its flush.
+    Without an index (tools, tests) it keeps one in memory, rebuilt from the file."""
 
-    def __init__(self, conn: duckdb.DuckDBPyConnection) -> None:
+    def __init__(self, conn: duckdb.DuckDBPyConnection,
+                 index: EventIndex | MemoryIndex | None = None) -> None:
+        self.index = index if index is not None else MemoryIndex()
         self.reload(conn)
 
     def reload(self, conn: duckdb.DuckDBPyConnection) -> None:
-        """Rebuild from the file: at start, and after a group that failed to commit."""
+        """Catch the index up with the file and find the next seq: at start, and after a
+        group that failed to commit. Events leave the file once the index holds them
+        (`warehouse.retention`), so the last seq is the greater of the two."""
+        self.index.catch_up(conn)
         row = conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()
-        self.last_seq = int(row[0]) if row else 0
-        ids = conn.execute("SELECT replace(event_id::VARCHAR, '-', '') FROM events").fetchall()
-        self._known: set[int] = {int(r[0], 16) for r in ids}
+        self.last_seq = max(int(row[0]) if row else 0, self.index.watermark)
 
     def __len__(self) -> int:
-        return len(self._known)
+        """The events stored so far (their last seq: seqs have no gaps)."""
+        return self.last_seq
 
     def stage(self, tx: Any, realm: str, event: EventRecord, ingest_path: str) -> None:
         tx.scratch.setdefault("outbox", []).append((realm, event, ingest_path))
@@ -92,45 +95,53 @@ class EventOutbox:
         results: dict[str, Stored] = {}
         tx.scratch["outbox_result"] = results
         tx.scratch["outbox_first"] = first = {}
-        known = self._known
-        fresh: list[tuple[str, EventRecord, str]] = []
-        look_up: list[str] = []
         # A single-event reply shows what was stored at first acceptance, so a duplicate that
         # any single request of the group carries is read back; batch replies need no read.
         wants_stored = {ev.event_id for _, ev, path in pending if path == "single"}
+        candidates: list[tuple[str, EventRecord, str]] = []
         for item in pending:
-            event = item[1]
-            eid = event.event_id
+            eid = item[1].event_id
             if eid in first:
                 continue  # a repeat inside the group: the op reports it as a duplicate
-            first[eid] = event
-            key = event_key(eid)
-            if key in known:
-                if eid in wants_stored:
-                    look_up.append(eid)
-                else:
-                    results[eid] = Stored(False)
+            first[eid] = item[1]
+            candidates.append(item)
+        raw_ids = [uuid.UUID(item[1].event_id).bytes for item in candidates]
+        fresh: list[tuple[str, EventRecord, str, bytes]] = []
+        look_up: list[tuple[str, bytes]] = []
+        for item, raw, stored in zip(candidates, raw_ids, self.index.known(raw_ids), strict=True):
+            eid = item[1].event_id
+            if not stored:
+                fresh.append((*item, raw))
+            elif eid in wants_stored:
+                look_up.append((eid, raw))
             else:
-                known.add(key)
-                fresh.append(item)
+                results[eid] = Stored(False)
         now_us = int(tx.now.timestamp() * 1_000_000)
         if fresh:
             seq = self.last_seq
-            for realm, event, path in fresh:
+            added: list[tuple[int, bytes, int, bytes]] = []
+            for realm, event, path, raw in fresh:
                 seq += 1
                 tx.stage("events", (seq, event.event_id, realm, event.billing_account_id,
                                     event.request_hash, event.semantic_kind, event.event_type,
                                     event.occurred_at_us, event.subject_ref, event.payload_json,
                                     event.labels_json, now_us, path))
+                added.append((seq, raw, now_us, event.labels_json))
                 results[event.event_id] = Stored(True, now_us, event.labels_json)
             self.last_seq = seq
+            index = self.index
+
+            def into_index() -> None:
+                # Durable in the journal now: the next group must see these as stored. If
+                # this fails the group is answered 503 and the rollback catches the index up
+                # from the file, so a retry is a duplicate, never a second row.
+                index.add_events(added)
+
+            tx.after_commit(into_index)
         if look_up:
-            marks = ", ".join("?::UUID" for _ in look_up)
-            for eid, labels, created_us in tx.read().execute(
-                "SELECT event_id::VARCHAR, labels, epoch_us(created_at) FROM events "
-                f"WHERE event_id IN ({marks})", look_up,
-            ).fetchall():
-                results[eid] = Stored(False, created_us, labels.encode())
+            for (eid, _), found in zip(look_up, self.index.first_stored([r for _, r in look_up]),
+                                       strict=True):
+                results[eid] = Stored(False, found[0], found[1]) if found else Stored(False)
 
 
 def write_events(conn: duckdb.DuckDBPyConnection, rows: list[tuple[Any, ...]]) -> None:

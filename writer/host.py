@@ -31,15 +31,18 @@ from core.logs import setup_logging
 from core.settings import Settings
 from pipelines.catalog import Catalog, CatalogInvalid, load_catalog
 from warehouse.catalog_store import CatalogStore
+from warehouse.event_index import EventIndex, idempotency_digest
 from warehouse.export import LakeExporter, run_exporter_thread
-from warehouse.journal import JournalCorrupt, JournaledStore
+from warehouse.journal import JournalCorrupt, JournaledStore, StorageUnavailable, register_table
 from warehouse.operational import open_operational, schema_version
 from warehouse.outbox import EventOutbox
-from warehouse.writer import run_writer
+from warehouse.retention import Retention
+from warehouse.writer import LoopStatus, run_writer
 from writer.events.ingest import IngestHandler
 from writer.gate.book import GateBook
 from writer.metrics import WriterMetrics
 from writer.ops import (
+    BULK_OPS,
     OPS,
     AuthorizeOp,
     CancelOp,
@@ -51,11 +54,45 @@ from writer.ops import (
     UsageOp,
 )
 
-__all__ = ["CatalogView", "main", "sync_catalog"]
+__all__ = ["CatalogView", "main", "memory_shares", "sync_catalog"]
 
 
 log = logging.getLogger("tollgate.writer")
 RATE_STEP = 100  # single events rated inline per step between groups
+# Events of the ingest lane a gate group may take along (`run_writer`'s riders): a few single
+# events cost a gate group well under a millisecond, and each saves a journal sync.
+GATE_RIDER_EVENTS = 32
+
+
+def memory_shares(ceiling: int) -> tuple[int, int]:
+    """How the writer's memory ceiling (TOLLGATE_WRITER_MEMORY) is cut: DuckDB's memory limit
+    for the operational file and the event index's block cache, in bytes. The rest (about
+    45 %) is left to the Python heap (the gate book, the groups in flight, the journal's
+    pending rows, up to 100,000) and to RocksDB's memtables and DuckDB's allocations
+    outside its limit.
+
+    >>> [n >> 20 for n in memory_shares(1 << 30)]
+    [409, 153]
+    """
+    return int(ceiling * 0.4), int(ceiling * 0.15)
+
+
+def _idempotency_writer(index: EventIndex) -> Any:
+    """The idempotency table's rows go to the index, not to the file: applied from the
+    journal at start, they restore the records of groups whose put the kill cut off (the
+    writer puts them as soon as a group is durable, so most of these puts repeat one)."""
+    def write(conn: Any, rows: list[tuple[Any, ...]]) -> None:
+        index.put_idempotency(
+            (idempotency_digest(r[0], r[1], r[2], r[3]), r[4], _micros(r[8]), bytes(r[6]))
+            for r in rows)
+    return write
+
+
+def _micros(at: Any) -> int:
+    from datetime import datetime
+    if isinstance(at, str):
+        at = datetime.fromisoformat(at)
+    return int(at.timestamp() * 1_000_000)
 
 
 class CatalogView:
@@ -102,6 +139,21 @@ class _Adapter:
         self.apply = method
 
 
+def _events_of(op: IngestOp) -> int:
+    """What an ingest op costs of a group's budget (TOLLGATE_WRITER_GROUP_EVENTS)."""
+    return len(op.events)
+
+
+def _split_events(op: IngestOp, n: int) -> tuple[IngestOp, IngestOp]:
+    """An ingest op cut after its first n events (`run_writer` answers the op once, with the
+    outcomes of both parts joined)."""
+    return (IngestOp(op.realm, op.path, op.events[:n]), IngestOp(op.realm, op.path, op.events[n:]))
+
+
+def _join_stored(parts: list[list[Any]]) -> list[Any]:
+    return [stored for part in parts for stored in part]
+
+
 def _die_with_parent() -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -123,24 +175,51 @@ def main(argv: list[str] | None = None) -> int:
     # dying here first would skip that. (A dead service still takes this process with it.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # A file size limit (ulimit -f) then fails the write like a full disk does (EFBIG),
+    # answered 503 and retried, instead of killing the writer.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     settings = Settings.from_env(args.data_dir)
     setup_logging("writer", settings.log_format or None)
     folder = settings.folder
     sock = socket.socket(fileno=args.fd)
+    duckdb_memory, index_cache = memory_shares(settings.writer_memory)
     conn = open_operational(folder.operational)
+    conn.execute(f"SET memory_limit = '{duckdb_memory >> 20}MiB'")
     try:
-        store = JournaledStore(conn, folder.journal)
+        store = JournaledStore(conn, folder.journal, max_backlog_rows=settings.max_backlog_rows,
+                               fault_file=folder.root / settings.test_full_disk_file
+                               if settings.test_full_disk_file else None)
     except JournalCorrupt as exc:
         conn.close()
         print(f"tollgate: {exc}", file=sys.stderr, flush=True)
         return WRITER_JOURNAL_REFUSED
-    store.recover()
+    index = EventIndex(folder.index, index_cache)
+    register_table("idempotency", _idempotency_writer(index))
+    status = LoopStatus()
+    try:
+        store.recover()
+    except StorageUnavailable as exc:
+        # The file refuses the journal's rows (a full disk): start all the same, refusing
+        # every op until a tick has applied them and rebuilt the state below from the file.
+        log.error("the operational file refuses the journal's rows; every op is refused until"
+                  " it takes them: %s", exc)
+        status.stale = str(exc)
     catalog = CatalogView(folder)
-    outbox = EventOutbox(conn)
+    outbox = EventOutbox(conn, index)
     ingest = IngestHandler(outbox)
     clock = SYSTEM_CLOCK
-    gate = GateBook(lambda: catalog.current, clock)
+    gate = GateBook(lambda: catalog.current, clock, index)
     gate.rebuild(conn)
+    retention = Retention(folder.operational, settings.operational_window_seconds,
+                          index.durable_watermark, clock=clock)
+
+    def upkeep(c: Any) -> None:
+        # On the applier's thread, after a batch is applied or now and then when idle.
+        retention.step(c)
+        gate.expire_idempotency()
+        gate.expire_leases()
+
+    store.after_apply = upkeep
     handlers: dict[type, Any] = {
         IngestOp: ingest,
         AuthorizeOp: _Adapter(gate.authorize),
@@ -187,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ticks = 0
     exporter = LakeExporter(settings.data_dir)
-    metrics = WriterMetrics(store, folder.metrics / "writer.prom", exporter) \
+    metrics = WriterMetrics(store, folder.metrics / "writer.prom", exporter, status) \
         if settings.metrics_on else None
 
     def tick(c: Any) -> None:
@@ -210,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     def decode_request(frame: bytes) -> tuple[int, Any]:
         return decoder.decode(frame)
 
-    # The state just rebuilt (leases, usage, the dedupe set) lives as long as the process:
+    # The state just rebuilt (leases, usage, holds) lives as long as the process:
     # keep it out of the collector's full scans, whose pauses grow with it.
     gc.collect()
     gc.freeze()
@@ -228,14 +307,26 @@ def main(argv: list[str] | None = None) -> int:
     run_writer(store, sock, decode_request, handlers, on_rollback=rebuild, tick=tick, clock=clock,
                after_group=after_group, tick_seconds=0.25,
                on_group=metrics.on_group if metrics is not None else None,
+               read_only=frozenset({StandingOp}), status=status, bulk=BULK_OPS,
+               bulk_budget=_events_of, bulk_group_budget=settings.writer_group_events,
+               rider_budget=GATE_RIDER_EVENTS, split=_split_events, join=_join_stored,
                listener=listener, greeting=greeting)
     rate_singles()  # what the last tick did not reach
-    store.close()  # everything into the file first, so the exporter's last round ships it
+    try:
+        store.close()  # everything into the file first, so the exporter's last round ships it
+    except StorageUnavailable as exc:
+        log.error("the operational file refuses the journal's last rows; they stay in the journal"
+                  " and are applied at the next start: %s", exc)
     stop.set()
     # Its last rounds fit in the service's stop (TOLLGATE_STOP_SECONDS, `api.supervisor`); a
     # round is one lake transaction, and what is left is exported after the next start.
     exporter_thread.join(timeout=min(5.0, settings.stop_seconds * 0.3))
+    try:
+        retention.step(conn, force=True)  # what the last export let go, before the next start
+    except Exception:
+        log.exception("upkeep of the operational file at stop failed")
     conn.close()
+    index.close()
     return 0
 
 

@@ -130,7 +130,12 @@ class InlineRater:
         if not rows:
             return []
         if self._seq is None:
-            found = conn.execute("SELECT coalesce(max(seq), 0) FROM inline_ratings").fetchone()
+            # Exported rows leave the file (`warehouse.retention`): the export watermark
+            # remembers how far the seqs went.
+            found = conn.execute(
+                "SELECT greatest((SELECT coalesce(max(seq), 0) FROM inline_ratings), (SELECT "
+                "coalesce(max(last_seq), 0) FROM export_watermarks WHERE stream = 'inline_ratings'))"
+            ).fetchone()
             self._seq = int(found[0]) if found else 0
         first = self._seq
         self._seq = first + len(rows)

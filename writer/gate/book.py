@@ -1,5 +1,9 @@
 """The gate book: leases, holds, usage, funding, carried remainders and idempotency records,
-kept in memory by the writer process and rebuilt from the operational file at start.
+kept in memory by the writer process and rebuilt from the operational file at start. With the
+writer's index (`warehouse.event_index`), ended leases (7 days) and idempotency records (24 h)
+live on disk, and memory keeps only the most recent of them (`ENDED_LEASE_CACHE`,
+`IDEMPOTENCY_CACHE`): the book's memory follows the traffic of a lease's lifetime, not a week
+of it.
 
 Every authorize, commit and cancel is decided here, one at a time in queue order, against
 this state, and its rows are staged into the same group transaction. That makes decisions
@@ -36,6 +40,7 @@ from pipelines.catalog import Budget, Catalog, Feature, Quota, Realm
 from pipelines.events import format_instant
 from pipelines.price_index import PriceIndex, price_fingerprint
 from pipelines.pricing import PricedLine, PriceRow, price_line, quote
+from warehouse.event_index import EventIndex, idempotency_digest
 from warehouse.gate_store import (
     carried_remainders,
     committed_totals,
@@ -71,6 +76,42 @@ __all__ = ["GateBook", "token_digest"]
 _encode = msgspec.json.encode
 IDEMPOTENCY_TTL = timedelta(hours=24)
 ENDED_LEASE_MEMORY = timedelta(days=7)
+# Idempotency records held in memory besides the index on disk: the most recent ones.
+IDEMPOTENCY_CACHE = 20_000
+# Ended leases held in memory besides the index on disk: the most recently ended.
+ENDED_LEASE_CACHE = 50_000
+# How far before the index's lease mark the file is read at start: leases that ended in a
+# group whose put into the index a kill cut off.
+LEASE_MARK_MARGIN = timedelta(minutes=5)
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+def _us(at: datetime) -> int:
+    return (at - _EPOCH) // timedelta(microseconds=1)
+
+
+def _at(us: int) -> datetime:
+    return _EPOCH + timedelta(microseconds=us)
+
+
+def _lease_record(lease: Lease) -> tuple[bytes, int, bytes]:
+    """An ended lease as the index keeps it: (token digest, ended_at us, msgpack)."""
+    assert lease.ended_at is not None
+    ended = _us(lease.ended_at)
+    value = msgspec.msgpack.encode((
+        lease.lease_id, ended, lease.realm, lease.principal_id, lease.account, lease.feature_code,
+        lease.family, lease.held_qty, lease.held_xusd, _us(lease.created_at), _us(lease.expires_at),
+        lease.state, lease.commit_body,
+        None if lease.commit_outcome is None else msgspec.msgpack.encode(lease.commit_outcome)))
+    return bytes.fromhex(lease.token_sha), ended, value
+
+
+def _lease_from(sha: str, raw: bytes) -> Lease:
+    (lease_id, ended, realm, principal, account, feature, family, qty, xusd, created, expires,
+     state, body, outcome) = msgspec.msgpack.decode(raw)
+    return Lease(lease_id, sha, realm, principal, account, feature, family, qty, xusd, _at(created),
+                 _at(expires), state, _at(ended), body,
+                 None if outcome is None else msgspec.msgpack.decode(outcome, type=GateOutcome))
 
 
 class _Randomness:
@@ -148,9 +189,14 @@ def _price_lines(prices: PriceIndex, lines: list[tuple[str, int]], now: datetime
 
 
 class GateBook:
-    def __init__(self, catalog: Callable[[], Catalog], clock: Clock) -> None:
+    def __init__(self, catalog: Callable[[], Catalog], clock: Clock,
+                 index: EventIndex | None = None) -> None:
+        """With an `index`, idempotency records live on disk (24 h, expired by
+        `expire_idempotency`) behind a cache of the most recent; without one (tools,
+        tests), all of the last 24 h are held in memory, read from the file."""
         self._catalog = catalog
         self._clock = clock
+        self._index = index
         self._price_index: dict[str, PriceIndex] = {}
         self._price_fingerprint = ""
         self.grants_pending = True  # the catalog's grants are not known to be in the file
@@ -171,6 +217,12 @@ class GateBook:
         self.carry: dict[tuple[str, str, str, str], int] = {}
         self.idempotency: dict[tuple[str, str, str, str], tuple[str, GateOutcome, datetime]] = {}
         since = now - ENDED_LEASE_MEMORY
+        self._ended: dict[str, None] = {}  # ended leases in memory, oldest first
+        index = self._index
+        if index is not None:
+            mark = index.lease_mark()
+            if mark:  # older ended leases are in the index
+                since = max(since, _at(mark) - LEASE_MARK_MARGIN)
         rows = leases_to_keep(conn, since)
         for (lease_id, sha, realm, principal, account, feature, family, qty, xusd, created, expires,
              state, ended, body, reply) in rows:
@@ -184,6 +236,13 @@ class GateBook:
             if lease.state == "active":
                 self.holds.change(lease, +1)
                 heapq.heappush(self.expiry, (expires, sha))
+            else:
+                self._ended[sha] = None
+        if index is not None:
+            # Into the index: leases a kill kept from it, and (at the first start with an
+            # index) every lease that ended in the last 7 days. Then memory keeps the latest.
+            index.put_leases(_lease_record(self.leases[sha]) for sha in self._ended)
+            self._trim_ended()
         month_start = datetime(now.year, now.month, 1, tzinfo=timezone.utc)
         for realm, account, principal, feature, day, qty, xusd in usage_by_day(conn, month_start):
             self.tally.add(realm, account, principal, feature, day, int(qty), int(xusd))
@@ -195,10 +254,18 @@ class GateBook:
             self.grant_ids.add((realm, gid))
         for realm, account, meter, fingerprint, remainder in carried_remainders(conn):
             self.carry[(realm, account, meter, fingerprint)] = int(remainder)
-        for realm, principal, endpoint, key, sha, reply, stored_at in idempotency_records(
-                conn, now - IDEMPOTENCY_TTL):
-            outcome = msgspec.msgpack.decode(reply, type=GateOutcome)
-            self.idempotency[(realm, principal, endpoint, key)] = (sha, outcome, stored_at)
+        records = idempotency_records(conn, now - IDEMPOTENCY_TTL)
+        if self._index is not None:
+            if records:  # written to the file by an earlier version: they move to the index
+                self._index.put_idempotency(
+                    (idempotency_digest(realm, principal, endpoint, key), sha,
+                     int(stored_at.timestamp() * 1_000_000), reply)
+                    for realm, principal, endpoint, key, sha, reply, stored_at in records)
+            conn.execute("DELETE FROM idempotency")
+        else:
+            for realm, principal, endpoint, key, sha, reply, stored_at in records:
+                outcome = msgspec.msgpack.decode(reply, type=GateOutcome)
+                self.idempotency[(realm, principal, endpoint, key)] = (sha, outcome, stored_at)
         self.line_seq, self.commit_seq = last_seqs(conn)
         self.grants_pending = True
         self.sync_pending_grants(conn)
@@ -262,6 +329,12 @@ class GateBook:
             return decide()
         scope = (idem.realm, idem.principal_id, idem.endpoint, idem.key)
         found = self.idempotency.get(scope)
+        if found is None and self._index is not None:
+            on_disk = self._index.get_idempotency(idempotency_digest(*scope))
+            if on_disk is not None:
+                body_sha, stored_us, reply = on_disk
+                found = (body_sha, msgspec.msgpack.decode(reply, type=GateOutcome),
+                         datetime.fromtimestamp(stored_us / 1_000_000, timezone.utc))
         if found is not None and tx.now - found[2] < IDEMPOTENCY_TTL:
             sha, outcome, _ = found
             if sha != idem.body_sha256:
@@ -271,10 +344,20 @@ class GateBook:
             return replay
         outcome = decide()
         if outcome.storable:
-            self.idempotency[scope] = (idem.body_sha256, outcome, tx.now)
+            cache = self.idempotency
+            cache[scope] = (idem.body_sha256, outcome, tx.now)
+            reply = msgspec.msgpack.encode(outcome)
             tx.stage("idempotency", (idem.realm, idem.principal_id, idem.endpoint, idem.key,
-                                     idem.body_sha256, outcome.status,
-                                     msgspec.msgpack.encode(outcome), "{}", tx.now))
+                                     idem.body_sha256, outcome.status, reply, "{}", tx.now))
+            index = self._index
+            if index is not None:
+                if len(cache) > IDEMPOTENCY_CACHE:
+                    del cache[next(iter(cache))]  # the oldest: it is on disk
+                record = (idempotency_digest(*scope), idem.body_sha256,
+                          int(tx.now.timestamp() * 1_000_000), reply)
+                # Durable in the journal first; a kill before this put is caught up when the
+                # journal is applied at start (the idempotency table's writer, `writer.host`).
+                tx.after_commit(lambda: index.put_idempotency((record,)))
         return outcome
 
     def record_outcome(self, tx: Transaction, op: RecordOutcomeOp) -> Callable[[], GateOutcome]:
@@ -360,8 +443,42 @@ class GateBook:
         result = self._with_idempotency(tx, op.idem, lambda: self._commit(tx, op))
         return lambda: result
 
+    def _ended_lease(self, tx: Transaction | None, lease: Lease) -> None:
+        """`lease` just ended: into the index once durable, and into the ended leases kept
+        in memory (the oldest of which then leave memory)."""
+        self._ended[lease.token_sha] = None
+        index = self._index
+        if index is None:
+            return
+        if tx is None:
+            index.put_leases((_lease_record(lease),))
+        else:
+            record = _lease_record(lease)
+            tx.after_commit(lambda: index.put_leases((record,)))
+        self._trim_ended()
+
+    def _trim_ended(self) -> None:
+        ended = self._ended
+        while len(ended) > ENDED_LEASE_CACHE:
+            sha = next(iter(ended))
+            del ended[sha]
+            lease = self.leases.get(sha)
+            if lease is not None and lease.state != "active":
+                del self.leases[sha]
+
     def _lease_of(self, realm: str, principal: str, token: str) -> Lease | None:
-        lease = self.leases.get(token_digest(token))
+        sha = token_digest(token)
+        lease = self.leases.get(sha)
+        if lease is None and self._index is not None:
+            raw = self._index.get_lease(bytes.fromhex(sha))
+            if raw is not None:
+                lease = _lease_from(sha, raw)
+                if self._clock.now() - (lease.ended_at or lease.expires_at) > ENDED_LEASE_MEMORY:
+                    lease = None  # past what the book remembers, not yet removed from disk
+                else:
+                    self.leases[sha] = lease
+                    self._ended[sha] = None
+                    self._trim_ended()
         if lease is None or lease.realm != realm or lease.principal_id != principal:
             return None
         return lease
@@ -406,6 +523,7 @@ class GateBook:
         outcome = GateOutcome(status=200, data=data, hints=hints)
         lease.commit_body = op.body_canonical
         lease.commit_outcome = outcome
+        self._ended_lease(tx, lease)
         tx.stage("commits", (self.commit_seq, commit_id, lease.lease_id, realm.id, lease.account,
                              lease.principal_id, lease.feature_code, op.quantity_minor, total, now, expired,
                              op.body_canonical.decode(), _encode(outcome).decode(),
@@ -548,12 +666,14 @@ class GateBook:
             lease.state = "expired"
             lease.ended_at = lease.expires_at
             tx.stage("lease_transitions", (lease.lease_id, "expired", lease.expires_at, None))
+            self._ended_lease(tx, lease)
         if lease.state != "active":
             return GateOutcome(status=200, data={"cancelled": False, "state": lease.state, "released_cap": "0",
                                                  "lease_id": lease.lease_id})
         self.holds.change(lease, -1)
         lease.state = "cancelled"
         lease.ended_at = tx.now
+        self._ended_lease(tx, lease)
         tx.stage("lease_transitions", (lease.lease_id, "cancelled", tx.now, op.reason))
         return GateOutcome(status=200, data={"cancelled": True, "state": "cancelled",
                                              "released_cap": str(lease.held_qty), "lease_id": lease.lease_id})
@@ -580,7 +700,24 @@ class GateBook:
             self.holds.change(lease, -1)
             lease.state = "expired"
             lease.ended_at = lease.expires_at
+            self._ended[lease.token_sha] = None
+        if self._index is not None:
+            self._index.put_leases(_lease_record(lease) for lease in due)
+            self._trim_ended()
         return len(due)
+
+    def expire_idempotency(self, limit: int = 20_000) -> int:
+        """Delete up to `limit` idempotency records older than 24 h from the index."""
+        if self._index is None:
+            return 0
+        cutoff = self._clock.now() - IDEMPOTENCY_TTL
+        return self._index.expire_idempotency(int(cutoff.timestamp() * 1_000_000), limit)
+
+    def expire_leases(self, limit: int = 20_000) -> int:
+        """Delete up to `limit` leases that ended more than 7 days ago from the index."""
+        if self._index is None:
+            return 0
+        return self._index.expire_leases(_us(self._clock.now() - ENDED_LEASE_MEMORY), limit)
 
     def forget_old(self) -> None:
         """Bound memory: ended leases after a week, idempotency records after 24 h, usage
@@ -589,7 +726,11 @@ class GateBook:
         for sha in [s for s, lease in self.leases.items()
                     if lease.ended_at is not None and now - lease.ended_at > ENDED_LEASE_MEMORY]:
             del self.leases[sha]
+            self._ended.pop(sha, None)
         for scope in [k for k, v in self.idempotency.items() if now - v[2] >= IDEMPOTENCY_TTL]:
             del self.idempotency[scope]
+        if self._index is not None:
+            self.expire_idempotency()
+            self.expire_leases()
         first = now.date().replace(day=1)
         self.tally.forget_before((first - timedelta(days=1)).replace(day=1))

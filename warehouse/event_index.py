@@ -1,0 +1,314 @@
+"""The writer's disk-backed index: every stored event id, forever, and the idempotency records
+of the last 24 hours, in a RocksDB store under `<data>/index/` with a bounded block cache.
+
+Content dedupe has no expiry (CONTRACT.md section 4), so the set of stored event ids grows
+with history. Held in a Python set it cost ~70 bytes an event in RAM and a full scan of the
+events table at every start; here an id costs about 40 bytes on disk (its value included,
+LZ4-compressed) and a Bloom filter of 10 bits in the SST files, read through a cache of
+bounded size (measured in docs/measurements.md, "The dedupe index").
+
+Keys (one store, a byte prefix per kind):
+
+    b"e" + 16-byte event id      -> created_at (8 bytes, big-endian microseconds) + labels JSON:
+                                    what a duplicate single-event reply shows, for every event
+                                    ever stored, also after it left the operational file
+    b"w"                         -> the highest event seq whose group is in the index
+    b"i" + sha256(scope)         -> an idempotency record (msgpack: body digest, stored_at us,
+                                    the outcome as msgpack)
+    b"t" + stored_at us + digest -> nothing: the records in order of time, to expire them
+    b"l" + sha256 of a lease token -> an ended lease (msgpack; `writer.gate.book`), for 7 days
+    b"u" + ended_at us + sha256  -> nothing: the ended leases in order of time
+    b"m"                         -> the latest ended_at of a lease put (the book reads the
+                                    leases that ended after it, less a margin, from the file)
+
+The journal stays the truth. Events are put into the index by the writer right after their
+group is durable in the journal, in one write batch with the watermark (`w`), so the index
+never holds an event the journal lacks and the watermark always covers what the batch put.
+The index may lag (a kill between the journal's sync and the index's write, or a power loss
+of RocksDB's unsynced write-ahead log): at start `catch_up` puts every event of the
+operational file past the watermark. The file deletes events (`warehouse.retention`) only up
+to the watermark that `durable_watermark` returns after syncing RocksDB's log, so every
+event is always in the file, in the index, or in both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import struct
+import uuid
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import msgspec
+from rocksdict import (
+    BlockBasedOptions,
+    Cache,
+    DBCompressionType,
+    Options,
+    Rdict,
+    WriteBatch,
+)
+
+__all__ = ["EventIndex", "idempotency_digest", "open_rocks"]
+
+log = logging.getLogger("tollgate.writer")
+
+_EVENT = b"e"
+_WATERMARK = b"w"
+_IDEM = b"i"
+_IDEM_TIME = b"t"
+_LEASE = b"l"
+_LEASE_TIME = b"u"
+_LEASE_MARK = b"m"
+_U64 = struct.Struct(">Q")
+CATCH_UP_ROWS = 100_000
+
+
+def open_rocks(path: Path, cache_bytes: int) -> Rdict:
+    """A RocksDB store of raw bytes whose memory is bounded: the block cache (data, index
+    and filter blocks all in it) of `cache_bytes`, two memtables of a sixteenth of it (at
+    least 4 MiB each), a bounded number of open files."""
+    path.mkdir(parents=True, exist_ok=True)
+    opts = Options(raw_mode=True)
+    opts.create_if_missing(True)
+    table = BlockBasedOptions()
+    table.set_block_cache(Cache(max(cache_bytes, 8 << 20)))
+    table.set_bloom_filter(10, False)
+    table.set_cache_index_and_filter_blocks(True)
+    table.set_pin_l0_filter_and_index_blocks_in_cache(True)
+    opts.set_block_based_table_factory(table)
+    opts.set_compression_type(DBCompressionType.lz4())
+    opts.set_write_buffer_size(max(cache_bytes // 16, 4 << 20))
+    opts.set_max_write_buffer_number(2)
+    opts.set_max_open_files(256)
+    opts.set_max_background_jobs(1)
+    opts.set_keep_log_file_num(2)
+    opts.set_max_total_wal_size(64 << 20)
+    return Rdict(str(path), opts)
+
+
+def idempotency_digest(realm: str, principal: str, endpoint: str, key: str) -> bytes:
+    """The 32-byte key of an idempotency scope."""
+    return hashlib.sha256("\x00".join((realm, principal, endpoint, key)).encode()).digest()
+
+
+def event_key(event_id: str) -> bytes:
+    """>>> event_key("00000000-0000-0000-0000-000000000001").hex()
+    '6500000000000000000000000000000001'
+    """
+    return _EVENT + uuid.UUID(event_id).bytes
+
+
+class EventIndex:
+    """Owned by the writer process. Reads and writes come from the writer thread; RocksDB is
+    safe to share with the thread that prunes the file (it only reads the watermark)."""
+
+    def __init__(self, path: Path, cache_bytes: int) -> None:
+        self.path = path
+        self.db = open_rocks(path, cache_bytes)
+        raw = self.db.get(_WATERMARK)
+        self.watermark = _U64.unpack(raw)[0] if raw is not None else 0
+
+    # ---- events ---------------------------------------------------------------------
+    def add_events(self, rows: Iterable[tuple[int, bytes, int, bytes]]) -> int:
+        """Put events (seq, 16-byte id, created_at us, labels JSON) and move the watermark
+        to their highest seq, in one write batch; the number put."""
+        batch = WriteBatch(raw_mode=True)
+        top = self.watermark
+        n = 0
+        for seq, raw_id, created_us, labels in rows:
+            batch.put(_EVENT + raw_id, _U64.pack(created_us) + labels)
+            if seq > top:
+                top = seq
+            n += 1
+        if n == 0:
+            return 0
+        batch.put(_WATERMARK, _U64.pack(top))
+        self.db.write(batch)
+        self.watermark = top
+        return n
+
+    def known(self, raw_ids: Sequence[bytes]) -> list[bool]:
+        """For each 16-byte id: is it stored?"""
+        if not raw_ids:
+            return []
+        values: list[Any] = self.db.get([_EVENT + k for k in raw_ids]) or []
+        return [v is not None for v in values]
+
+    def first_stored(self, raw_ids: Sequence[bytes]) -> list[tuple[int, bytes] | None]:
+        """For each 16-byte id: (created_at us, labels JSON) as stored at first acceptance."""
+        if not raw_ids:
+            return []
+        out: list[tuple[int, bytes] | None] = []
+        values: list[Any] = self.db.get([_EVENT + k for k in raw_ids]) or []
+        for value in values:
+            out.append(None if value is None else (_U64.unpack_from(value)[0], bytes(value[8:])))
+        return out
+
+    def catch_up(self, conn: duckdb.DuckDBPyConnection) -> int:
+        """Put every event the operational file holds past the watermark (after a kill between
+        the journal's sync and the index's write, or at the first start of a file written
+        before the index existed); the number put."""
+        total = 0
+        while True:
+            table = conn.execute(
+                "SELECT seq, event_id, epoch_us(created_at) AS created_us, labels::VARCHAR AS labels "
+                "FROM events WHERE seq > ? ORDER BY seq LIMIT ?",
+                [self.watermark, CATCH_UP_ROWS]).fetchall()
+            if not table:
+                break
+            total += self.add_events(
+                (int(seq), eid.bytes, int(created), labels.encode()) for seq, eid, created, labels in table)
+        if total:
+            log.info("event index: caught up %d events from the operational file", total)
+        return total
+
+    def durable_watermark(self) -> int:
+        """The watermark, after syncing RocksDB's write-ahead log: every event up to it
+        survives a power loss in the index, so the file may let it go."""
+        mark = self.watermark
+        self.db.flush_wal(True)
+        return mark
+
+    # ---- idempotency records ----------------------------------------------------------
+    def put_idempotency(self, records: Iterable[tuple[bytes, str, int, bytes]]) -> None:
+        """Put records (scope digest, body digest, stored_at us, outcome msgpack)."""
+        batch = WriteBatch(raw_mode=True)
+        for digest, body_sha, stored_us, outcome in records:
+            batch.put(_IDEM + digest, msgspec.msgpack.encode((body_sha, stored_us, outcome)))
+            batch.put(_IDEM_TIME + _U64.pack(stored_us) + digest, b"")
+        if not batch.is_empty():
+            self.db.write(batch)
+
+    def get_idempotency(self, digest: bytes) -> tuple[str, int, bytes] | None:
+        """(body digest, stored_at us, outcome msgpack) of a scope, or None."""
+        raw = self.db.get(_IDEM + digest)
+        if raw is None:
+            return None
+        body_sha, stored_us, outcome = msgspec.msgpack.decode(raw)
+        return str(body_sha), int(stored_us), bytes(outcome)
+
+    def expire_idempotency(self, before_us: int, limit: int = 10_000) -> int:
+        """Delete up to `limit` records stored before `before_us`; the number deleted."""
+        return self._expire(_IDEM_TIME, _IDEM, before_us, limit)
+
+    def _expire(self, time_prefix: bytes, value_prefix: bytes, before_us: int, limit: int) -> int:
+        """Delete up to `limit` entries whose time key is before `before_us` (each value is
+        a msgpack array whose second item is that time)."""
+        it = self.db.iter()
+        it.seek(time_prefix)
+        batch = WriteBatch(raw_mode=True)
+        n = 0
+        while it.valid() and n < limit:
+            key: Any = it.key()
+            if not key.startswith(time_prefix) or _U64.unpack_from(key, 1)[0] >= before_us:
+                break
+            digest = bytes(key[9:])
+            raw = self.db.get(value_prefix + digest)
+            # A key stored again later has a newer time key: only the entry of this time goes.
+            if raw is not None and int(msgspec.msgpack.decode(raw)[1]) == _U64.unpack_from(key, 1)[0]:
+                batch.delete(value_prefix + digest)
+            batch.delete(bytes(key))
+            n += 1
+            it.next()
+        del it
+        if n:
+            self.db.write(batch)
+        return n
+
+    # ---- ended leases -----------------------------------------------------------------
+    def put_leases(self, records: Iterable[tuple[bytes, int, bytes]]) -> None:
+        """Put ended leases (sha256 of the token, ended_at us, the lease as msgpack whose
+        second item is ended_at us) and move the mark to the latest ended_at."""
+        batch = WriteBatch(raw_mode=True)
+        mark = self.lease_mark()
+        top = mark
+        for sha, ended_us, value in records:
+            batch.put(_LEASE + sha, value)
+            batch.put(_LEASE_TIME + _U64.pack(ended_us) + sha, b"")
+            top = max(top, ended_us)
+        if batch.is_empty():
+            return
+        if top > mark:
+            batch.put(_LEASE_MARK, _U64.pack(top))
+        self.db.write(batch)
+
+    def lease_mark(self) -> int:
+        """The latest ended_at (us) of a lease put; 0 before any."""
+        raw = self.db.get(_LEASE_MARK)
+        return _U64.unpack(raw)[0] if raw is not None else 0
+
+    def get_lease(self, sha: bytes) -> bytes | None:
+        raw = self.db.get(_LEASE + sha)
+        return None if raw is None else bytes(raw)
+
+    def expire_leases(self, before_us: int, limit: int = 10_000) -> int:
+        """Delete up to `limit` leases that ended before `before_us`; the number deleted."""
+        return self._expire(_LEASE_TIME, _LEASE, before_us, limit)
+
+    def count_prefix(self, prefix: bytes) -> int:
+        it = self.db.iter()
+        it.seek(prefix)
+        n = 0
+        while it.valid() and bytes(it.key()[:1]) == prefix:
+            n += 1
+            it.next()
+        return n
+
+    def count_idempotency(self) -> int:
+        """Records on disk (tests and tools; a full scan of the idempotency keys)."""
+        return self.count_prefix(_IDEM)
+
+    def count_leases(self) -> int:
+        """Ended leases on disk (tests and tools; a full scan of their keys)."""
+        return self.count_prefix(_LEASE)
+
+    # ---- upkeep -----------------------------------------------------------------------
+    def memory_bytes(self) -> int:
+        """What RocksDB holds in memory now: block cache, memtables, table readers."""
+        total = 0
+        for prop in ("rocksdb.block-cache-usage", "rocksdb.cur-size-all-mem-tables",
+                     "rocksdb.estimate-table-readers-mem"):
+            try:
+                total += int(self.db.property_int_value(prop) or 0)
+            except Exception:
+                pass
+        return total
+
+    def close(self) -> None:
+        try:
+            self.db.flush_wal(True)
+        finally:
+            self.db.close()
+
+
+class MemoryIndex:
+    """The event part of `EventIndex` in a dict: for tools and tests that write an
+    operational file without a writer process (it is rebuilt from the file it is given)."""
+
+    def __init__(self) -> None:
+        self.watermark = 0
+        self._events: dict[bytes, tuple[int, bytes]] = {}
+
+    def add_events(self, rows: Iterable[tuple[int, bytes, int, bytes]]) -> int:
+        n = 0
+        for seq, raw_id, created_us, labels in rows:
+            self._events[raw_id] = (created_us, labels)
+            self.watermark = max(self.watermark, seq)
+            n += 1
+        return n
+
+    def known(self, raw_ids: Sequence[bytes]) -> list[bool]:
+        return [k in self._events for k in raw_ids]
+
+    def first_stored(self, raw_ids: Sequence[bytes]) -> list[tuple[int, bytes] | None]:
+        return [self._events.get(k) for k in raw_ids]
+
+    def catch_up(self, conn: duckdb.DuckDBPyConnection) -> int:
+        rows = conn.execute(
+            "SELECT seq, event_id, epoch_us(created_at), labels::VARCHAR FROM events WHERE seq > ?",
+            [self.watermark]).fetchall()
+        return self.add_events((int(s), e.bytes, int(c), lab.encode()) for s, e, c, lab in rows)

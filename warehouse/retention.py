@@ -1,0 +1,136 @@
+"""The operational file holds a window, not history: rows that the lake holds leave it.
+
+The lake is the append-only store of record. An event leaves the operational file once it is
+(1) exported to the lake (its seq at or below the `events` export watermark), (2) in the
+event index for good (at or below the index's durable watermark, `EventIndex.
+durable_watermark`), and (3) older than the window (TOLLGATE_OPERATIONAL_WINDOW_SECONDS,
+default an hour). Commit lines and inline ratings leave on (1) and (3). Commits (kept for the
+replay of a lease's commit) and leases leave once no lease the gate book remembers needs them
+(`GATE_MEMORY`, a day past the book's week): the book rebuilds balances, usage and carried
+remainders from aggregates kept as commits are applied (`warehouse.gate_store`), so pruning
+never changes a balance. So the file's size
+follows the window and the traffic, never the history, and nothing leaves before the lake
+and the index have it.
+
+Each call deletes at most `STEP_ROWS` rows a table, from the lowest seq up, so a step costs
+a bounded time; it runs on the journal's applier thread after a batch is applied (off every
+reply's path). When the file's write-ahead log has grown past `WAL_BOUND` it is checkpointed
+there too: DuckDB skips its automatic checkpoint while another connection (the lake
+exporter's) has a transaction open, and the WAL grew to 2.2 GB in 10 minutes of load.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import duckdb
+
+from core.clock import SYSTEM_CLOCK, Clock
+
+__all__ = ["Retention", "STEP_ROWS", "WAL_BOUND"]
+
+log = logging.getLogger("tollgate.writer")
+
+STEP_ROWS = 200_000
+WAL_BOUND = 64 << 20
+# Ended leases are remembered for 7 days (`writer.gate.book.ENDED_LEASE_MEMORY`); a day more.
+GATE_MEMORY = timedelta(days=8)
+
+# stream, its time column, whether the index must hold it too
+_TABLES: tuple[tuple[str, str, bool], ...] = (
+    ("events", "created_at", True),
+    ("commit_lines", "committed_at", False),
+    ("inline_ratings", "rated_at", False),
+)
+
+
+class Retention:
+    """One instance per writer process; `step` is called from the applier thread."""
+
+    def __init__(self, file: Path, window_seconds: float,
+                 index_watermark: Callable[[], int], *, clock: Clock = SYSTEM_CLOCK,
+                 every_seconds: float = 2.0) -> None:
+        self.wal = file.with_name(file.name + ".wal")
+        self.window = timedelta(seconds=window_seconds)
+        self.index_watermark = index_watermark
+        self.clock = clock
+        self.every_seconds = every_seconds
+        self._last = 0.0
+        self.deleted = {t: 0 for t, _, _ in _TABLES} | {"commits": 0, "leases": 0}
+        self.checkpoints = 0
+
+    def step(self, conn: duckdb.DuckDBPyConnection, *, force: bool = False) -> int:
+        """Delete one bounded step of what may leave, then checkpoint if the WAL is past its
+        bound; the rows deleted."""
+        now = time.monotonic()
+        if not force and now - self._last < self.every_seconds:
+            self._checkpoint_if_due(conn)
+            return 0
+        self._last = now
+        marks = dict(conn.execute("SELECT stream, last_seq FROM export_watermarks").fetchall())
+        cutoff = self.clock.now() - self.window
+        indexed = None
+        total = 0
+        for table, at, needs_index in _TABLES:
+            upto = int(marks.get(table, 0))
+            if needs_index:
+                if indexed is None:
+                    indexed = self.index_watermark()
+                upto = min(upto, indexed)
+            if upto <= 0:
+                continue
+            row = conn.execute(f"SELECT min(seq) FROM {table}").fetchone()
+            if row is None or row[0] is None or int(row[0]) > upto:
+                continue
+            upto = min(upto, int(row[0]) + STEP_ROWS - 1)
+            got = conn.execute(f"DELETE FROM {table} WHERE seq <= ? AND {at} < ?",
+                               [upto, cutoff]).fetchone()
+            n = int(got[0]) if got else 0
+            self.deleted[table] += n
+            total += n
+        total += self._gate_step(conn)
+        if total:
+            log.debug("retention: %d rows left the operational file", total)
+        self._checkpoint_if_due(conn, force=total > 0 and force)
+        return total
+
+    def _gate_step(self, conn: duckdb.DuckDBPyConnection) -> int:
+        """Commits, leases and their transitions that no remembered lease needs."""
+        cutoff = self.clock.now() - GATE_MEMORY
+        got = conn.execute(
+            "DELETE FROM commits WHERE rowid IN (SELECT rowid FROM commits WHERE committed_at < ? "
+            "LIMIT ?)", [cutoff, STEP_ROWS]).fetchone()
+        commits = int(got[0]) if got else 0
+        gone = conn.execute(
+            "SELECT lease_id FROM leases WHERE expires_at < ? AND lease_id NOT IN "
+            "(SELECT lease_id FROM commits) LIMIT ?", [cutoff, STEP_ROWS]).fetchall()
+        if gone:
+            conn.execute("BEGIN")
+            try:
+                ids = [r[0] for r in gone]
+                conn.execute("DELETE FROM lease_transitions WHERE lease_id IN (SELECT unnest(?))", [ids])
+                conn.execute("DELETE FROM leases WHERE lease_id IN (SELECT unnest(?))", [ids])
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+        self.deleted["commits"] += commits
+        self.deleted["leases"] += len(gone)
+        return commits + len(gone)
+
+    def _checkpoint_if_due(self, conn: duckdb.DuckDBPyConnection, force: bool = False) -> None:
+        try:
+            size = self.wal.stat().st_size
+        except FileNotFoundError:
+            return
+        if size < WAL_BOUND and not force:
+            return
+        try:
+            conn.execute("CHECKPOINT")
+            self.checkpoints += 1
+        except duckdb.Error as exc:
+            log.warning("checkpoint of the operational file failed (%s); retrying later", exc)
