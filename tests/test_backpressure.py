@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from api.auth import sign_headers
-from tests.conftest import Service, make_service
+from tests.conftest import Service, make_service, processes_of
 from warehouse.lake import connect_lake
 
 pytestmark = [pytest.mark.server, pytest.mark.lake]
@@ -56,7 +56,6 @@ def test_a_flood_of_batches_is_refused_past_its_bound_while_the_gate_answers(tmp
     svc.start()
     try:
         assert svc.proc is not None
-        pid = svc.proc.pid
         run = uuid.uuid4().hex[:8]
         stop = time.monotonic() + FLOOD_SECONDS
         lock = threading.Lock()
@@ -111,7 +110,8 @@ def test_a_flood_of_batches_is_refused_past_its_bound_while_the_gate_answers(tmp
 
         def watch() -> None:
             while time.monotonic() < stop:
-                rss.append(_rss_kib(pid))
+                # The HTTP workers' memory together (`tollgate serve --workers N`).
+                rss.append(sum(_rss_kib(p) for p in processes_of(svc.data_dir, "api.worker")))
                 time.sleep(0.2)
 
         threads = [threading.Thread(target=flood, args=(k,)) for k in range(FLOODERS)]
