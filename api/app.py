@@ -83,6 +83,8 @@ def create_app(settings: Settings, *, on_stop: Sequence[Callable[[], None]] = ()
     if observed is not None:
         observed.runtime = runtime
         runtime.on_writer_reply = observed.observe_writer_reply
+        if observed.ingest_refused is not None:
+            runtime.on_ingest_refused = observed.ingest_refused.inc
     elsewhere: list[Any] = []
     tasks: list[asyncio.Task[None]] = []
 

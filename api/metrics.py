@@ -88,8 +88,7 @@ class _ServiceCollector(Collector):
                                     "1 while the writer refuses writes because the operational file"
                                     " does (503 STORAGE.UNAVAILABLE; /healthz not ready)",
                                     value=1 if seen.refusing and not seen.closed else 0)
-        if runtime is not None:
-            # This worker's queue (each worker bounds its own; docs/operations.md).
+        if runtime is not None and shared is None:  # else summed over the workers' files
             yield GaugeMetricFamily("tollgate_ingest_queue_bytes",
                                     "Body bytes of event requests admitted and not yet answered",
                                     value=runtime.ingest_bytes)
@@ -162,6 +161,7 @@ class HttpMetrics:
         counted = self.registry
         self.shared: Any = None
         self.gauges: dict[str, Any] = {}
+        self.ingest_refused: Any = None  # counted in the files (several workers), else read from the runtime
         if multiprocess:
             from prometheus_client.multiprocess import MultiProcessCollector
 
@@ -170,6 +170,12 @@ class HttpMetrics:
             self.shared = MultiProcessCollector(None, multiprocess)  # type: ignore[no-untyped-call]
             for name, text, mode in _WORKER_GAUGES:
                 self.gauges[name] = Gauge(name, text, registry=counted, multiprocess_mode=mode)
+            self.gauges["ingest"] = Gauge("tollgate_ingest_queue_bytes",
+                                          "Body bytes of event requests admitted and not yet answered",
+                                          registry=counted, multiprocess_mode="livesum")
+            self.ingest_refused = Counter("tollgate_ingest_refused",
+                                          "Event requests answered 503 STORAGE.BUSY (the ingest queue was full)",
+                                          registry=counted)
             self.gauges["rss"] = Gauge("tollgate_process_resident_memory_bytes",
                                        "Resident memory of each process of the service", ["process"],
                                        registry=counted, multiprocess_mode="livesum").labels("http")
@@ -212,6 +218,8 @@ class HttpMetrics:
             self.gauges["tollgate_writer_send_buffer_bytes"].set(writer.send_buffer_bytes)
             self.gauges["tollgate_writer_up"].set(0 if writer.closed else 1)
         self.gauges["rss"].set(rss_bytes())
+        if self.runtime is not None:
+            self.gauges["ingest"].set(self.runtime.ingest_bytes)
 
     def observe_writer_reply(self, lane: str, seconds: float) -> None:
         observe = self._reply_lanes.get(lane)

@@ -107,6 +107,8 @@ class Runtime:
         self.ingest_bytes = 0
         self.ingest_requests = 0
         self.ingest_refused = 0
+        # Told of each refusal (the workers' shared metrics count them; `api.metrics`).
+        self.on_ingest_refused: Callable[[], None] | None = None
         self.decoders = Decoders(settings.decode_processes)
         # The lake, read by POST /reports/usage: attached on first use.
         self.lake_reader = LakeReader(settings.data_dir)
@@ -200,6 +202,8 @@ class Runtime:
         bound = self.settings.ingest_queue_bytes
         if self.ingest_requests and self.ingest_bytes + size > bound:
             self.ingest_refused += 1
+            if self.on_ingest_refused is not None:
+                self.on_ingest_refused()
             raise ServiceUnavailable(
                 "STORAGE.BUSY",
                 f"event ingestion is at its bound ({bound} bytes of requests waiting for storage);"

@@ -9,19 +9,22 @@ serves the Litestar app with uvicorn on that socket and connects to the writer o
 folder's `writer.sock` (`api.runtime`).
 
 SIGTERM stops it gracefully: it stops accepting, answers the requests it holds (at most half
-of TOLLGATE_STOP_SECONDS, then the rest are cut), and exits 0. SIGINT does the same (a Ctrl-C
-in a terminal reaches every process of the group). It ends at once when the parent dies
+of TOLLGATE_STOP_SECONDS, then the rest are cut), and exits 0. SIGINT is ignored, here and in
+the processes it starts (a Ctrl-C in a terminal reaches every process of the group; the
+parent answers it with a SIGTERM to each worker). It ends at once when the parent dies
 (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import signal
 import socket
 import sys
+from collections.abc import Iterator
 from types import FrameType
 
 __all__ = ["main"]
@@ -49,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--workers", type=int, required=True)
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # see Server.capture_signals below
     _die_with_parent(os.getppid())
 
     import uvicorn
@@ -84,6 +88,17 @@ def main(argv: list[str] | None = None) -> int:
                             timeout_keep_alive=settings.keep_alive_seconds, proxy_headers=False,
                             timeout_graceful_shutdown=max(1, int(settings.stop_seconds * 0.5)))
     class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # SIGTERM only (from the parent); SIGINT stays ignored, and so do the processes
+            # this worker starts (its decoding processes inherit that): a Ctrl-C reaches the
+            # whole process group, and the parent turns it into a SIGTERM to each worker.
+            previous = signal.signal(signal.SIGTERM, self.handle_exit)
+            try:
+                yield
+            finally:
+                signal.signal(signal.SIGTERM, previous)
+
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             # Stopped by SIGTERM or SIGINT alike, without re-raising the signal at the end
             # (uvicorn ends its process by the signal that stopped it; a worker exits 0), and

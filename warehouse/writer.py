@@ -310,7 +310,8 @@ def run_writer(
         refused: list[tuple[int, bool, Any]] = []
         for ready in readable:
             if ready is listener:
-                _accept(listener, peers, greeting)
+                # A new worker learns the status the others were told (refusing writes).
+                _accept(listener, peers, greeting + _status_now(status))
                 continue
             peer, buf = peers[ready.fileno()]
             if not _receive(peer, buf):
@@ -408,6 +409,15 @@ def run_writer(
                 if sock.fileno() < 0:
                     return
             next_tick = time.monotonic() + tick_seconds
+
+
+def _status_now(status: LoopStatus) -> bytes:
+    """The last status frame sent, for a connection that missed it; nothing when writes are
+    taken (what a connection assumes)."""
+    refusing, reason = status.sent
+    if not refusing:
+        return b""
+    return _frame(_encode((0, True, {"refusing": refusing, "reason": reason})))
 
 
 def _accept(listener: socket.socket, peers: dict[int, tuple[socket.socket, bytearray]],
