@@ -85,6 +85,7 @@ def create_app(settings: Settings, *, on_stop: Sequence[Callable[[], None]] = ()
         runtime.on_writer_reply = observed.observe_writer_reply
         if observed.ingest_refused is not None:
             runtime.on_ingest_refused = observed.ingest_refused.inc
+            runtime.on_ingest_bytes = observed.gauges["ingest"].set
     elsewhere: list[Any] = []
     tasks: list[asyncio.Task[None]] = []
 

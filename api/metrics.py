@@ -218,8 +218,6 @@ class HttpMetrics:
             self.gauges["tollgate_writer_send_buffer_bytes"].set(writer.send_buffer_bytes)
             self.gauges["tollgate_writer_up"].set(0 if writer.closed else 1)
         self.gauges["rss"].set(rss_bytes())
-        if self.runtime is not None:
-            self.gauges["ingest"].set(self.runtime.ingest_bytes)
 
     def observe_writer_reply(self, lane: str, seconds: float) -> None:
         observe = self._reply_lanes.get(lane)

@@ -69,6 +69,7 @@ class IngestAdmission:
         if size > self.held:
             self.runtime.ingest_bytes += size - self.held
             self.held = size
+            self.runtime.ingest_changed()
 
     def __enter__(self) -> IngestAdmission:
         return self
@@ -76,6 +77,7 @@ class IngestAdmission:
     def __exit__(self, *exc: object) -> None:
         self.runtime.ingest_bytes -= self.held
         self.runtime.ingest_requests -= 1
+        self.runtime.ingest_changed()
 
 
 class Runtime:
@@ -109,6 +111,7 @@ class Runtime:
         self.ingest_refused = 0
         # Told of each refusal (the workers' shared metrics count them; `api.metrics`).
         self.on_ingest_refused: Callable[[], None] | None = None
+        self.on_ingest_bytes: Callable[[int], None] | None = None
         self.decoders = Decoders(settings.decode_processes)
         # The lake, read by POST /reports/usage: attached on first use.
         self.lake_reader = LakeReader(settings.data_dir)
@@ -211,7 +214,12 @@ class Runtime:
                 headers={"Retry-After": str(BUSY_RETRY_AFTER_SECONDS)})
         self.ingest_bytes += size
         self.ingest_requests += 1
+        self.ingest_changed()
         return IngestAdmission(self, size)
+
+    def ingest_changed(self) -> None:
+        if self.on_ingest_bytes is not None:
+            self.on_ingest_bytes(self.ingest_bytes)
 
     # ---- catalog and keys -------------------------------------------------------------
     def refresh(self) -> None:
