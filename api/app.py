@@ -78,6 +78,7 @@ def create_app(settings: Settings, *, on_stop: Sequence[Callable[[], None]] = ()
     observed = HttpMetrics(settings.folder.metrics) if settings.metrics_on else None
     if observed is not None:
         observed.runtime = runtime
+        runtime.on_writer_reply = observed.observe_writer_reply
     elsewhere: list[Any] = []
 
     async def start(app: Litestar) -> None:

@@ -37,6 +37,15 @@ The HTTP process's limits (docs/api.md, "Limits"), each a positive number:
 | TOLLGATE_MAX_CONNECTIONS              | 4096     | open connections; past it a new one gets 503 and is closed |
 | TOLLGATE_MAX_NONCE_CHARS              | 128      | the SVC-AUTH nonce: 400 `AUTH.NONCE_TOO_LONG`        |
 | TOLLGATE_MAX_IDEMPOTENCY_KEY_CHARS    | 255      | the Idempotency-Key header: 400 `IDEMPOTENCY.KEY_TOO_LONG` |
+
+The priority of gate calls over event ingestion (docs/operations.md, "Priority and
+backpressure"), each a positive number:
+
+| environment variable                  | default  | what it sets                                        |
+|---------------------------------------|----------|-----------------------------------------------------|
+| TOLLGATE_WRITER_GROUP_EVENTS          | 500      | events per ingest group of the writer (a larger op is cut); a gate op waits for at most one such group |
+| TOLLGATE_INGEST_QUEUE_BYTES           | 8388608  | body bytes of event requests an HTTP process holds until answered; past it: 503 `STORAGE.BUSY` |
+| TOLLGATE_DECODE_PROCESSES             | 1        | processes per HTTP process that decode, validate and hash event batches; 0: on the HTTP loop |
 """
 
 from __future__ import annotations
@@ -226,6 +235,12 @@ class Settings:
     # How long a request waits for the writer's answer before it is answered 503
     # STORAGE.UNAVAILABLE with Retry-After (`warehouse.writer.WriterClient`).
     writer_deadline_seconds: float = 10.0
+    # Events per group of the writer's ingest lane (`warehouse.writer.run_writer`).
+    writer_group_events: int = 500
+    # The ingest queue's bound (`api.runtime.Runtime.ingest_admission`).
+    ingest_queue_bytes: int = 8 * 1024 * 1024
+    # Decoding processes for event batches (`api.events.decoders`); 0: on the HTTP loop.
+    decode_processes: int = 1
     # TOLLGATE_LOG_FORMAT: "json", "text", or "" for the process's default (`core.logs`).
     log_format: str = ""
     # TOLLGATE_METRICS: "on", "off" or "HOST:PORT" (see `metrics_address`).
@@ -259,6 +274,9 @@ class Settings:
             flow_memory_limit=env.get("TOLLGATE_FLOW_MEMORY_LIMIT") or "1GB",
             prefect_api_idle_seconds=_whole_number(env, "TOLLGATE_PREFECT_API_IDLE_SECONDS", 600),
             writer_deadline_seconds=_positive_seconds(env, "TOLLGATE_WRITER_DEADLINE_SECONDS", 10.0),
+            writer_group_events=_positive_int(env, "TOLLGATE_WRITER_GROUP_EVENTS", 500),
+            ingest_queue_bytes=_positive_int(env, "TOLLGATE_INGEST_QUEUE_BYTES", 8 * 1024 * 1024),
+            decode_processes=_whole_number(env, "TOLLGATE_DECODE_PROCESSES", 1),
             log_format=_log_format(env),
             metrics=_metrics(env),
             max_backlog_rows=_positive_int(env, "TOLLGATE_MAX_BACKLOG_ROWS", 100_000),

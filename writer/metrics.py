@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -99,20 +100,32 @@ class WriterMetrics:
         self.path = path
         self.group_failures = 0
         self.registry = CollectorRegistry(auto_describe=False)
-        self.group_ops = Histogram("tollgate_writer_group_ops", "Ops per group commit",
+        self.group_ops = Histogram("tollgate_writer_group_ops", "Ops per group commit", ["lane"],
                                    buckets=GROUP_OPS_BUCKETS, registry=self.registry)
         self.group_seconds = Histogram(
             "tollgate_writer_group_seconds",
-            "Time of a group: its ops decided, its rows journaled and synced",
+            "Time of a group: its ops decided, its rows journaled and synced", ["lane"],
+            buckets=GROUP_SECONDS_BUCKETS, registry=self.registry)
+        self.commit_seconds = Histogram(
+            "tollgate_writer_commit_seconds",
+            "The commit's part of a group's time: its rows appended to the journal and synced",
             buckets=GROUP_SECONDS_BUCKETS, registry=self.registry)
         self.registry.register(_StateCollector(self))
-        self._observe_ops = self.group_ops.observe
-        self._observe_seconds = self.group_seconds.observe
+        # Per lane, the two bound children (labels() takes a lock each time).
+        self._lanes: dict[str, tuple[Any, Any]] = {}
+        self._observe_commit = self.commit_seconds.observe
 
-    def on_group(self, ops: int, seconds: float, committed: bool) -> None:
-        self._observe_ops(ops)
-        self._observe_seconds(seconds)
-        if not committed:
+    def on_group(self, lane: str, ops: int, seconds: float, commit_seconds: float,
+                 committed: bool) -> None:
+        children = self._lanes.get(lane)
+        if children is None:
+            children = self._lanes[lane] = (self.group_ops.labels(lane).observe,
+                                            self.group_seconds.labels(lane).observe)
+        children[0](ops)
+        children[1](seconds)
+        if committed:
+            self._observe_commit(commit_seconds)
+        else:
             self.group_failures += 1
 
     def write(self) -> None:
