@@ -36,6 +36,7 @@ def _transitions(conn: duckdb.DuckDBPyConnection) -> int:
 
 
 def test_a_large_journal_is_applied_at_a_start_in_bounded_steps(tmp_path: Path) -> None:
+    """Transactions of at most a step's rows, each recorded; the rows read a segment at a time."""
     steps: list[int] = []
 
     def write_probe(conn: duckdb.DuckDBPyConnection, rows: list[tuple[Any, ...]]) -> None:
@@ -53,6 +54,8 @@ def test_a_large_journal_is_applied_at_a_start_in_bounded_steps(tmp_path: Path) 
     conn = open_operational(tmp_path / "op.duckdb")
     store = JournaledStore(conn, tmp_path / "journal")
     store.RECOVERY_STEP_ROWS = 30
+    assert store._scan is not None  # read and checked, its rows let go until they are applied
+    assert all(r.tables is None for segment in store._scan.segments for r in segment.records)
     assert store.recover() == 100
     assert steps == [30] * 10  # ten transactions, none larger than the step
     assert conn.execute("SELECT count(DISTINCT n), max(applied_seq) FROM step_probe, journal_state"

@@ -50,7 +50,15 @@ import pyarrow as pa
 
 from core.constants import INT64_MAX, INT64_MIN
 from warehouse.durable import sync_dir
-from warehouse.journal_scan import HEAD, JournalCorrupt, JournalScan, Record, Stretch, scan_journal
+from warehouse.journal_scan import (
+    HEAD,
+    JournalCorrupt,
+    JournalScan,
+    Record,
+    Stretch,
+    read_tables,
+    scan_journal,
+)
 from warehouse.journal_scan import encode as _encode
 
 __all__ = ["DirectStore", "Journal", "JournalCorrupt", "JournaledStore", "StorageUnavailable",
@@ -181,6 +189,7 @@ class Journal:
         if tail is not None:
             self.cut(tail.offset)
         for record in records:
+            assert record.tables is not None  # scanned with its rows kept
             yield record.seq, record.tables
 
     def cut(self, at: int) -> None:
@@ -337,7 +346,10 @@ class JournaledStore:
         found = self._segment_paths()
         # Read before anything is created or cut: a journal that may have lost an
         # acknowledged group stops here, as it is (the operator decides; the message says how).
-        self._scan: JournalScan | None = scan_journal(journal_dir, self.applied_seq, found)
+        # Rows are not kept: `recover` reads them again a segment at a time, so a large
+        # journal never sits in memory whole.
+        self._scan: JournalScan | None = scan_journal(journal_dir, self.applied_seq, found,
+                                                      keep_tables=False)
         if not self._scan.ok:
             raise JournalCorrupt(self._scan)
         self._next_segment = (int(found[-1].stem) + 1) if found else 1
@@ -413,13 +425,14 @@ class JournaledStore:
         scan, self._scan = self._scan, None
         for segment in scan.segments if scan is not None else []:
             old = Journal(segment.path)
+            data = segment.path.read_bytes() if segment.records else b""
             for piece in segment.pieces:
                 if isinstance(piece, Stretch):  # a torn tail: nothing valid after it anywhere
                     old.cut(piece.offset)
                     break
                 if piece.seq <= self.seq:  # in the file already
                     continue
-                self._merge(piece.tables)
+                self._merge(read_tables(data, piece))
                 self.seq = piece.seq
                 applied += 1
                 if self._pending_rows >= self.RECOVERY_STEP_ROWS and refused is None:
@@ -429,7 +442,7 @@ class JournaledStore:
                         self.materialize()
                     except StorageUnavailable as exc:
                         refused = exc  # read the rest; the writer's tick tries again
-            segment.pieces = []  # its rows are merged or applied: let them go
+            segment.pieces, data = [], b""  # its rows are merged or applied: let them go
             self._segments.insert(len(self._segments) - 1, old)
         if refused is not None:
             raise refused
