@@ -175,8 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     clock = SYSTEM_CLOCK
     gate = GateBook(lambda: catalog.current, clock, index)
     gate.rebuild(conn)
+    exporter = LakeExporter(settings.data_dir)
     retention = Retention(folder.operational, settings.operational_window_seconds,
-                          index.durable_watermark, clock=clock)
+                          index.durable_watermark, clock=clock, exporter_lock=exporter.op_lock)
 
     def upkeep(c: Any) -> None:
         # On the applier's thread, after a batch is applied or now and then when idle.
@@ -230,7 +231,6 @@ def main(argv: list[str] | None = None) -> int:
             rate_singles(RATE_STEP)
 
     ticks = 0
-    exporter = LakeExporter(settings.data_dir)
     metrics = WriterMetrics(store, folder.metrics / "writer.prom", exporter) \
         if settings.metrics_on else None
 
@@ -263,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     log.info("writer ready: schema version %d, %d events, journal group %d",
              schema_version(conn), len(outbox), store.seq)
     sock.sendall(len(hello).to_bytes(4, "big") + hello)
+    # The statements above leave their last result open on this connection, and with it a
+    # transaction that no checkpoint of the file gets past (the loop may not use this
+    # connection again for hours): close it.
+    conn.execute("SELECT 1").fetchall()
     # The lake export runs beside the writer loop on a cursor of its own, so lake commits
     # never hold up a group.
     stop = threading.Event()
