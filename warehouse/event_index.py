@@ -3,7 +3,7 @@ of the last 24 hours, in a RocksDB store under `<data>/index/` with a bounded bl
 
 Content dedupe has no expiry (CONTRACT.md section 4), so the set of stored event ids grows
 with history. Held in a Python set it cost ~70 bytes an event in RAM and a full scan of the
-events table at every start; here an id costs about 40 bytes on disk (its value included,
+events table at every start; here an id costs about 24-28 bytes on disk (its value included,
 LZ4-compressed) and a Bloom filter of 10 bits an id held in memory (~60 MB at 50 M events),
 data read through a cache of bounded size (measured in docs/measurements.md, "The dedupe index").
 
