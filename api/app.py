@@ -25,12 +25,17 @@ from core.settings import Settings
 __all__ = ["create_app"]
 
 
+STORAGE_REFUSES = "storage refuses writes"
+
+
 def _readiness(runtime: Runtime) -> list[str]:
     """Why the service is not ready; empty when it is."""
     if not runtime.ready:
         return ["starting"]
     if runtime.writer.closed:
         return ["writer restarting" if runtime.writer_state == "restarting" else "writer down"]
+    if runtime.writer.refusing:
+        return [STORAGE_REFUSES]  # the writer's own words are in its log and metrics
     return []
 
 
@@ -73,6 +78,7 @@ def create_app(settings: Settings, *, on_stop: Sequence[Callable[[], None]] = ()
     observed = HttpMetrics(settings.folder.metrics) if settings.metrics_on else None
     if observed is not None:
         observed.runtime = runtime
+        runtime.on_writer_reply = observed.observe_writer_reply
     elsewhere: list[Any] = []
 
     async def start(app: Litestar) -> None:

@@ -14,7 +14,7 @@
     ├── Unprocessable       422   VALIDATION.INVALID_INPUT, VALIDATION.BATCH_TOO_LARGE, RESOURCE.NOT_FOUND,
     │                             LEASE.*, FEATURE.METER_NOT_ALLOWED
     ├── RateLimited         429   LIMIT.RATE_EXCEEDED
-    └── ServiceUnavailable  503   STORAGE.UNAVAILABLE, SERVICE.BUSY
+    └── ServiceUnavailable  503   STORAGE.UNAVAILABLE, STORAGE.BUSY, SERVICE.BUSY
     (`AppError.of_status`: 408 REQUEST.TIMEOUT and 431 REQUEST.HEADERS_TOO_LARGE, answered by
     `api.http_protocol`)
 """

@@ -26,7 +26,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
@@ -66,6 +66,17 @@ class _ServiceCollector(Collector):
                                     value=writer.send_buffer_bytes)
             yield GaugeMetricFamily("tollgate_writer_up", "1 while the writer process is connected",
                                     value=0 if writer.closed else 1)
+            yield GaugeMetricFamily("tollgate_storage_refusing",
+                                    "1 while the writer refuses writes because the operational file"
+                                    " does (503 STORAGE.UNAVAILABLE; /healthz not ready)",
+                                    value=1 if writer.refusing and not writer.closed else 0)
+        if runtime is not None:
+            yield GaugeMetricFamily("tollgate_ingest_queue_bytes",
+                                    "Body bytes of event requests admitted and not yet answered",
+                                    value=runtime.ingest_bytes)
+            yield CounterMetricFamily("tollgate_ingest_refused",
+                                      "Event requests answered 503 STORAGE.BUSY (the ingest queue was full)",
+                                      value=runtime.ingest_refused)
         families["tollgate_process_resident_memory_bytes"] = rss_family("http")
         folder = self.owner.folder
         values: dict[str, float] = {}
@@ -122,6 +133,11 @@ class HttpMetrics:
                                  "Time from a request's arrival to its last response byte",
                                  ["method", "route", "status"], buckets=REQUEST_SECONDS_BUCKETS,
                                  registry=self.registry)
+        self.writer_reply = Histogram("tollgate_writer_reply_seconds",
+                                      "Time from an op's submit to the writer's reply, per lane"
+                                      " (gate calls; event ingestion)", ["lane"],
+                                      buckets=REQUEST_SECONDS_BUCKETS, registry=self.registry)
+        self._reply_lanes: dict[str, Any] = {}
         self.registry.register(_ServiceCollector(self))
         # Per (method, route, status): the two bound children (labels() takes a lock and
         # builds a tuple every time).
@@ -136,6 +152,12 @@ class HttpMetrics:
             self._children[key] = children
         children[0].inc()
         children[1].observe(seconds)
+
+    def observe_writer_reply(self, lane: str, seconds: float) -> None:
+        observe = self._reply_lanes.get(lane)
+        if observe is None:
+            observe = self._reply_lanes[lane] = self.writer_reply.labels(lane).observe
+        observe(seconds)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -75,7 +75,8 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "FEATURE.METER_NOT_ALLOWED": (422, "A meter of the commit is not a meter of the feature; `errors` names each."),
     "LIMIT.RATE_EXCEEDED": (429, "A rate limit of the feature is full; retry after `Retry-After` seconds (hint `rate.limit`)."),
     "INTERNAL.ERROR": (500, "An unexpected failure, logged with the trace id; no detail is sent."),
-    "STORAGE.UNAVAILABLE": (503, "The writer could not make the request durable, is restarting, or did not answer within its deadline: retry after `Retry-After` seconds (a retried event already stored is answered as a duplicate; a gate call replays under its `Idempotency-Key`)."),
+    "STORAGE.UNAVAILABLE": (503, "The writer could not make the request durable, is restarting, did not answer within its deadline, or refuses writes while the operational file does (a full disk): retry after `Retry-After` seconds (a retried event already stored is answered as a duplicate; a gate call replays under its `Idempotency-Key`)."),
+    "STORAGE.BUSY": (503, "Event ingestion is at its bound (the requests waiting for storage in this HTTP process); nothing of the request was read or stored: retry after `Retry-After` seconds. Gate calls are not refused by it."),
     "SERVICE.BUSY": (503, "The service holds as many connections as it takes, or is stopping; retry after `Retry-After` seconds. The connection is closed."),
 }
 
@@ -202,8 +203,8 @@ ROUTES: tuple[Route, ...] = (
           errors=("INTERNAL.ERROR", "REQUEST.HEADERS_TOO_LARGE", "REQUEST.TIMEOUT"),
           headers=(REQUEST_ID,),
           description="Unsigned. 200 when the service and its writer are ready; 503 with the same "
-                      "body (`ok: true`) while starting or when the writer is down, `reasons` "
-                      "saying which. Names no realm, account or key."),
+                      "body (`ok: true`) while starting, when the writer is down, or while it refuses writes "
+                      "because the operational file does, `reasons` saying which. Names no realm, account or key."),
     Route("HEAD", "/healthz", "healthz_head", "Readiness, as a status alone", "ops",
           {200: None, 503: None}, signed=False, headers=(REQUEST_ID,),
           description="Unsigned; for load balancers that probe with HEAD."),
@@ -212,7 +213,7 @@ ROUTES: tuple[Route, ...] = (
           request_example=s.example(s.EventRequest, semantic_kind="activity", event_type="llm.completion",
                                     occurred_at="2026-11-01T12:00:00Z",
                                     payload={"usage": {"input_tokens": 1200}}, labels={"model": "small"}),
-          errors=(*SIGNED_ERRORS, "STORAGE.UNAVAILABLE"), headers=EVENT_HEADERS,
+          errors=(*SIGNED_ERRORS, "STORAGE.UNAVAILABLE", "STORAGE.BUSY"), headers=EVENT_HEADERS,
           description="201 when new, 200 when its facts were stored before (answered with what was "
                       "stored then). An answer means the event is durable."),
     Route("POST", "/mgt/v1/events/batch", "record_billing_event_batch", "Record 1 to 1,000 events",
@@ -220,7 +221,7 @@ ROUTES: tuple[Route, ...] = (
           request_example=s.example(s.EventBatchRequest, events=[{
               "semantic_kind": "activity", "event_type": "llm.completion",
               "occurred_at": "2026-11-01T12:00:00Z", "payload": {"usage": {"input_tokens": 1200}}}]),
-          errors=(*SIGNED_ERRORS, "VALIDATION.BATCH_TOO_LARGE"), headers=EVENT_HEADERS,
+          errors=(*SIGNED_ERRORS, "VALIDATION.BATCH_TOO_LARGE", "STORAGE.BUSY"), headers=EVENT_HEADERS,
           description="Always 207 once the batch is read: one result per event, in input order. "
                       "Invalid items are answered without a write; if storage fails, the valid "
                       "items are `failed` and can be retried."),
@@ -426,6 +427,11 @@ def document() -> dict[str, Any]:
     types = [*_structs(), list[s.Hint]]
     found, components = msgspec.json.schema_components(types, ref_template=_REF)
     schemas = dict(zip(types, found, strict=True))
+    # A field fault's code (and a batch item's, which names its first fault) is one of the
+    # field codes: an enum, so a response with another code does not match the document.
+    for name in ("FieldFault", "ItemError"):
+        components[name]["properties"]["code"] = {
+            "enum": list(FIELD_CODES), "description": "One of the field codes (docs/api.md)."}
     for route in ROUTES:
         for data in route.responses.values():
             if data is not None:

@@ -121,7 +121,7 @@ def _parse(body: Any, realm: str, account: str | None) -> _Query:
         values = (value,) if op == "eq" and isinstance(value, str) else (
             tuple(value) if op == "in" and isinstance(value, list) and value and all(isinstance(v, str) for v in value)
             else None)
-        if field not in DIMENSIONS or field == "bucket_start" or values is None:
+        if not isinstance(field, str) or field not in DIMENSIONS or field == "bucket_start" or values is None:
             _fault(errors, f"dim_filters[{i}]", "VALIDATION.INVALID_VALUE",
                    "a dim filter is {field, op: eq|in, value}: a supported dimension other than bucket_start,"
                    " a string for eq and a non-empty array of strings for in")

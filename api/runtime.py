@@ -30,7 +30,8 @@ from typing import Any
 import msgspec
 
 from api.auth import AuthContext, Authenticator, NonceLog
-from api.errors import AppError, BadRequest, Unprocessable
+from api.errors import AppError, BadRequest, ServiceUnavailable, Unprocessable
+from api.events.decoders import Decoders
 from api.gate.limits import RateLimiter
 from core.clock import SYSTEM_CLOCK, Clock
 from core.constants import WRITER_JOURNAL_REFUSED
@@ -40,9 +41,9 @@ from warehouse.catalog_store import CatalogStore
 from warehouse.keys import ServiceKeyStore
 from warehouse.usage_query import LakeReader
 from warehouse.writer import RemoteFailure, WriterClient
-from writer.ops import RESULT_TYPES
+from writer.ops import BULK_OPS, RESULT_TYPES
 
-__all__ = ["MAX_WRITER_RESTARTS", "RESTART_WINDOW_SECONDS", "RETRY_AFTER_SECONDS", "Runtime",
+__all__ = ["BUSY_RETRY_AFTER_SECONDS", "MAX_WRITER_RESTARTS", "RESTART_WINDOW_SECONDS", "RETRY_AFTER_SECONDS", "Runtime",
            "WriterRefused"]
 
 log = logging.getLogger("tollgate.runtime")
@@ -54,6 +55,34 @@ MAX_WRITER_RESTARTS = 5
 RESTART_WINDOW_SECONDS = 600.0
 # The pause before the n-th restart of the window: none for the first, then 1, 2, 4, 8 s.
 MAX_RESTART_PAUSE_SECONDS = 30.0
+
+
+# A 503 STORAGE.BUSY (the ingest queue is full) tells the client to retry after this many
+# seconds: the queue's bound is kept to about a second of the writer's work.
+BUSY_RETRY_AFTER_SECONDS = 1
+
+
+class IngestAdmission:
+    """One event request's place in the ingest queue (`Runtime.ingest_admission`)."""
+
+    __slots__ = ("runtime", "held")
+
+    def __init__(self, runtime: Runtime, held: int) -> None:
+        self.runtime = runtime
+        self.held = held
+
+    def read(self, size: int) -> None:
+        """The body was read: hold its real size (a chunked body declared none)."""
+        if size > self.held:
+            self.runtime.ingest_bytes += size - self.held
+            self.held = size
+
+    def __enter__(self) -> IngestAdmission:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.runtime.ingest_bytes -= self.held
+        self.runtime.ingest_requests -= 1
 
 
 class WriterRefused(RuntimeError):
@@ -93,6 +122,14 @@ class Runtime:
         self.on_fatal: Callable[[], None] | None = None
         self.writer_restarts = 0
         self._stopping = False
+        # Told each writer reply's lane and time (the HTTP process's metrics set it).
+        self.on_writer_reply: Callable[[str, float], None] | None = None
+        # The ingest queue of this process: event requests admitted and not yet answered, and
+        # their body bytes (bounded by `ingest_queue_bytes`); batches are prepared by `decoders`.
+        self.ingest_bytes = 0
+        self.ingest_requests = 0
+        self.ingest_refused = 0
+        self.decoders = Decoders(settings.decode_processes)
         # The lake, read by POST /reports/usage: attached on first use.
         self.lake_reader = LakeReader(settings.data_dir)
 
@@ -104,6 +141,7 @@ class Runtime:
         # Before the first request: the nonces an earlier process accepted are refused still.
         self.auth.keep_nonces(NonceLog(self.settings.folder.nonces, self.settings.signature_skew_seconds))
         await self._start_writer()
+        await self.decoders.start()
         self._tasks.append(asyncio.create_task(self._poll_files()))
         self._tasks.append(asyncio.create_task(self._supervise()))
         # What is loaded by now lives as long as the process: out of the collector's full
@@ -128,7 +166,8 @@ class Runtime:
             ours.close()
             raise
         self.schema_version = int(hello["schema_version"])
-        writer = WriterClient(ours, RESULT_TYPES, deadline_seconds=self.settings.writer_deadline_seconds)
+        writer = WriterClient(ours, RESULT_TYPES, deadline_seconds=self.settings.writer_deadline_seconds,
+                              bulk=BULK_OPS, on_reply=self.on_writer_reply)
         await writer.start()
         self.writer = writer
         self.writer_state = "running"
@@ -197,6 +236,7 @@ class Runtime:
         self.lake_reader.close()
         for task in self._tasks:
             task.cancel()
+        self.decoders.stop()
         if hasattr(self, "writer"):
             await self.writer.close()
         if self.auth.nonce_log is not None:
@@ -216,6 +256,24 @@ class Runtime:
             if error.status == 503:
                 error.headers.setdefault("Retry-After", str(RETRY_AFTER_SECONDS))
             raise error from None
+
+    def ingest_admission(self, size: int) -> IngestAdmission:
+        """Admit an event request of `size` body bytes (as declared; 0 when not) to the ingest
+        queue, or refuse it with 503 STORAGE.BUSY and Retry-After when the queue's bytes would
+        pass `ingest_queue_bytes`. A request alone in the queue is always admitted (one body
+        larger than the bound would otherwise never be). Use it in a `with` block: the place
+        is held until the request is answered. Gate calls never queue here."""
+        bound = self.settings.ingest_queue_bytes
+        if self.ingest_requests and self.ingest_bytes + size > bound:
+            self.ingest_refused += 1
+            raise ServiceUnavailable(
+                "STORAGE.BUSY",
+                f"event ingestion is at its bound ({bound} bytes of requests waiting for storage);"
+                f" nothing of this request was read or stored: retry after {BUSY_RETRY_AFTER_SECONDS} s",
+                headers={"Retry-After": str(BUSY_RETRY_AFTER_SECONDS)})
+        self.ingest_bytes += size
+        self.ingest_requests += 1
+        return IngestAdmission(self, size)
 
     # ---- catalog and keys -------------------------------------------------------------
     def refresh(self) -> None:

@@ -134,7 +134,9 @@ class ErrorEnvelope(Struct, forbid_unknown_fields=True):
     ok: Literal[False]
     code: str
     message: str
-    trace_id: str
+    trace_id: Annotated[str, Meta(
+        pattern=r"^[A-Za-z0-9._:-]{1,128}$",
+        description="The request's trace id: its X-Request-Id when valid, else a new one.")]
     meta: ErrorMeta
     errors: list[FieldFault]
     hints: list[Hint]
@@ -144,9 +146,14 @@ class ErrorEnvelope(Struct, forbid_unknown_fields=True):
 class HealthData(Struct, forbid_unknown_fields=True):
     status: Annotated[Literal["ready", "starting", "down"], Meta(
         description="`ready`; `starting` until the writer has opened the data folder; `down` "
-                    "while the writer is gone (being restarted, or for good).")]
-    reasons: Annotated[list[Literal["starting", "writer restarting", "writer down"]], Meta(
-        description="Why the service is not ready; empty when it is.")]
+                    "while the writer is gone (being restarted, or for good) or refuses writes "
+                    "because the operational file does (a full disk).")]
+    reasons: Annotated[list[Literal["starting", "writer restarting", "writer down",
+                                    "storage refuses writes"]], Meta(
+        description="Why the service is not ready; empty when it is. `storage refuses writes`: "
+                    "the operational file refuses writes and the journal holds as many rows "
+                    "beyond it as it may (`TOLLGATE_MAX_BACKLOG_ROWS`); writes get 503 "
+                    "`STORAGE.UNAVAILABLE` until it takes them again.")]
     catalog: Annotated[str, Meta(description="The fingerprint of the applied catalog.")]
     schema_version: Annotated[int, Meta(description="The operational file's schema version.")]
     writer: Annotated[Literal["running", "restarting", "down"], Meta(

@@ -40,7 +40,12 @@ class Server:
         shutil.rmtree(self.data_dir, ignore_errors=True)
 
 
-def start_server(catalog: Path | None = None) -> Server:
+def start_server(catalog: Path | None = None, *, schedules: bool = False,
+                 args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Server:
+    """`tollgate serve` on a fresh data folder. The flow schedules are off unless `schedules`:
+    most benchmarks measure the request path alone, and a rating sweep of the benchmark's own
+    events would run beside it (bench/rating.py measures that; bench/mixed.py runs the service
+    as users start it, schedules on)."""
     data_dir = Path(tempfile.mkdtemp(prefix="tollgate-bench-"))
     cli = [sys.executable, "-m", "cli"]
     subprocess.run([*cli, "catalog", "apply", str(catalog or ROOT / "cli" / "demo" / "catalog.toml"),
@@ -48,11 +53,10 @@ def start_server(catalog: Path | None = None) -> Server:
     key = json.loads(subprocess.run([*cli, "keys", "create", "--realm", "acme", "--data-dir", str(data_dir)],
                                     check=True, capture_output=True, text=True, cwd=ROOT).stdout)
     port = free_port()
-    # The flow schedules are off: these benchmarks measure the request path, and a rating
-    # sweep of the benchmark's own events would run beside it (bench/rating.py measures that).
-    proc = subprocess.Popen([*cli, "serve", "--port", str(port), "--data-dir", str(data_dir)],
+    proc = subprocess.Popen([*cli, "serve", "--port", str(port), "--data-dir", str(data_dir), *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "TOLLGATE_SCHEDULES": "off"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                 "TOLLGATE_SCHEDULES": "on" if schedules else "off", **(env or {})})
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:

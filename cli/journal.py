@@ -37,7 +37,7 @@ def _scan(settings: Settings) -> JournalScan:
     except duckdb.IOException as exc:
         raise CommandError(f"cannot read the operational file ({' '.join(str(exc).split())});"
                            " stop the service first", 2) from None
-    return scan_journal(settings.folder.journal, applied)
+    return scan_journal(settings.folder.journal, applied, keep_tables=False)
 
 
 @app.command(sort_key=1)

@@ -140,7 +140,8 @@ def _check_journal(settings: Settings) -> None:
 
     if not settings.folder.journal.is_dir():
         return
-    scan = scan_journal(settings.folder.journal, applied_seq(settings.operational_path))
+    scan = scan_journal(settings.folder.journal, applied_seq(settings.operational_path),
+                        keep_tables=False)
     if not scan.ok:
         raise CommandError(scan.refusal(), 1)
 

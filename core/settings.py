@@ -18,6 +18,8 @@ them see the same settings.
 | TOLLGATE_LOG_FORMAT               | json under `serve`, else text | `json` (one JSON object a line) or `text` (`core.logs`) |
 | TOLLGATE_LOG_LEVEL                | INFO         | the lowest level logged                    |
 | TOLLGATE_METRICS                  | on           | Prometheus metrics: `on` (GET /metrics on the API's address), `off`, or `HOST:PORT` (a listener of their own) |
+| TOLLGATE_MAX_BACKLOG_ROWS         | 100000       | while the operational file refuses writes, the acknowledged rows the journal may hold beyond it; past it, writes get 503 (`warehouse.journal`) |
+| TOLLGATE_TEST_FULL_DISK_FILE      | (none)       | tests only: a file name in the data folder; while that file exists, the writer's applies to the operational file fail as on a full disk |
 | TOLLGATE_WRITER_MEMORY            | 1GiB         | the writer process's memory ceiling: DuckDB's memory limit and the event index's cache are cut from it (`writer.host`) |
 | TOLLGATE_OPERATIONAL_WINDOW_SECONDS | 3600       | how long exported events, rating rows and commits stay in the operational file (`warehouse.retention`) |
 
@@ -35,6 +37,15 @@ The HTTP process's limits (docs/api.md, "Limits"), each a positive number:
 | TOLLGATE_MAX_CONNECTIONS              | 4096     | open connections; past it a new one gets 503 and is closed |
 | TOLLGATE_MAX_NONCE_CHARS              | 128      | the SVC-AUTH nonce: 400 `AUTH.NONCE_TOO_LONG`        |
 | TOLLGATE_MAX_IDEMPOTENCY_KEY_CHARS    | 255      | the Idempotency-Key header: 400 `IDEMPOTENCY.KEY_TOO_LONG` |
+
+The priority of gate calls over event ingestion (docs/operations.md, "Priority and
+backpressure"), each a positive number:
+
+| environment variable                  | default  | what it sets                                        |
+|---------------------------------------|----------|-----------------------------------------------------|
+| TOLLGATE_WRITER_GROUP_EVENTS          | 500      | events per ingest group of the writer (a larger op is cut); a gate op waits for at most one such group |
+| TOLLGATE_INGEST_QUEUE_BYTES           | 8388608  | body bytes of event requests an HTTP process holds until answered; past it: 503 `STORAGE.BUSY` |
+| TOLLGATE_DECODE_PROCESSES             | 1        | processes per HTTP process that decode, validate and hash event batches; 0: on the HTTP loop |
 """
 
 from __future__ import annotations
@@ -224,10 +235,22 @@ class Settings:
     # How long a request waits for the writer's answer before it is answered 503
     # STORAGE.UNAVAILABLE with Retry-After (`warehouse.writer.WriterClient`).
     writer_deadline_seconds: float = 10.0
+    # Events per group of the writer's ingest lane (`warehouse.writer.run_writer`).
+    writer_group_events: int = 500
+    # The ingest queue's bound (`api.runtime.Runtime.ingest_admission`).
+    ingest_queue_bytes: int = 8 * 1024 * 1024
+    # Decoding processes for event batches (`api.events.decoders`); 0: on the HTTP loop.
+    decode_processes: int = 1
     # TOLLGATE_LOG_FORMAT: "json", "text", or "" for the process's default (`core.logs`).
     log_format: str = ""
     # TOLLGATE_METRICS: "on", "off" or "HOST:PORT" (see `metrics_address`).
     metrics: str = "on"
+    # While the operational file refuses writes, how many acknowledged rows the journal may
+    # hold beyond it before writes are refused too (`warehouse.journal.JournaledStore`).
+    max_backlog_rows: int = 100_000
+    # A test hook: a file name in the data folder whose presence fails every apply to the
+    # operational file as a full disk would. Empty (no hook) unless a test sets it.
+    test_full_disk_file: str = ""
     # The writer process's memory ceiling in bytes (TOLLGATE_WRITER_MEMORY).
     writer_memory: int = 1024 ** 3
     # How long rows stay in the operational file once the lake and the index hold them.
@@ -251,8 +274,13 @@ class Settings:
             flow_memory_limit=env.get("TOLLGATE_FLOW_MEMORY_LIMIT") or "1GB",
             prefect_api_idle_seconds=_whole_number(env, "TOLLGATE_PREFECT_API_IDLE_SECONDS", 600),
             writer_deadline_seconds=_positive_seconds(env, "TOLLGATE_WRITER_DEADLINE_SECONDS", 10.0),
+            writer_group_events=_positive_int(env, "TOLLGATE_WRITER_GROUP_EVENTS", 500),
+            ingest_queue_bytes=_positive_int(env, "TOLLGATE_INGEST_QUEUE_BYTES", 8 * 1024 * 1024),
+            decode_processes=_whole_number(env, "TOLLGATE_DECODE_PROCESSES", 1),
             log_format=_log_format(env),
             metrics=_metrics(env),
+            max_backlog_rows=_positive_int(env, "TOLLGATE_MAX_BACKLOG_ROWS", 100_000),
+            test_full_disk_file=env.get("TOLLGATE_TEST_FULL_DISK_FILE", "").strip(),
             writer_memory=parse_bytes(env.get("TOLLGATE_WRITER_MEMORY", "").strip() or "1GiB",
                                       "TOLLGATE_WRITER_MEMORY"),
             operational_window_seconds=_positive_seconds(env, "TOLLGATE_OPERATIONAL_WINDOW_SECONDS", 3600.0),

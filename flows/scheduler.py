@@ -66,27 +66,52 @@ _STOP = threading.Event()
 _PARENT: list[int] = []  # the service's pid, when it gave one
 
 
+def _parent_gone() -> bool:
+    return bool(_PARENT) and os.getppid() != _PARENT[0]
+
+
 def _leave() -> None:
     """End the process. When the service asked and is still there, at once: the service ends
     this process's session right after, the local Prefect API with it (a graceful stop
-    of that server took up to 8 s, which held `tollgate serve`'s stop). Otherwise through
-    `sys.exit`; the API ends as its parent does."""
-    if _STOP.wait(0.5) and _PARENT and os.getppid() == _PARENT[0]:
+    of that server took up to 8 s, which held `tollgate serve`'s stop). When the service is
+    gone (killed), at once too: nobody is left to end the session, and an interpreter's
+    orderly exit waits for Prefect's exit hooks, which retry a dying API for seconds (a
+    killed service's scheduler was seen alive 10 s later). What a flow had under way is
+    safe to drop: every lake write is one transaction and a run is retried at its next
+    time. Otherwise (a scheduler run by hand) through `sys.exit`."""
+    if _parent_gone() or (_STOP.wait(0.5) and _PARENT and not _parent_gone()):
         logging.shutdown()
         os._exit(0)
     sys.exit(0)
 
 
+# How long the main thread has, after the service is gone, to end through its signal
+# handler before the thread that saw standard input end ends the process itself (the handler
+# runs only between bytecodes, so a query under way in native code would hold it).
+ORPHAN_GRACE_SECONDS = 2.0
+
+
 def _stop_on_eof() -> None:
     """Wait for the end of standard input, which the service closes when it stops (or dies):
     then stop, interrupting the DuckDB query under way, which would otherwise hold the
-    SIGTERM that comes with it until the query ends (seconds, mid-sweep)."""
+    SIGTERM that comes with it until the query ends (seconds, mid-sweep). If the service is
+    gone and the process still runs after a short grace, end it from here."""
     while sys.stdin.buffer.read(4096):
         pass
     _STOP.set()
     workspace = sys.modules.get("flows.workspace")  # not imported: no flow has run, no lake
     if workspace is not None:
         workspace.interrupt_open_lakes()
+    deadline = time.monotonic() + ORPHAN_GRACE_SECONDS
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        if _parent_gone():
+            break
+    else:
+        return  # the service is there: it stops this process (SIGTERM, then its session)
+    time.sleep(ORPHAN_GRACE_SECONDS)
+    logging.shutdown()
+    os._exit(0)
 
 
 def _stopped(exc: BaseException) -> bool:

@@ -89,6 +89,10 @@ class _Store:
     MAX_PENDING_ROWS = 1_000_000
     pending_rows = 0
     conn = None
+    refusing = False  # the file always takes writes
+
+    def retry_due(self) -> bool:
+        return True
 
     def commit(self, rows: dict[str, list[Any]]) -> None:
         pass
@@ -128,3 +132,146 @@ def test_a_frame_the_writer_cannot_decode_is_answered_when_it_can_and_the_writer
     ours.close()  # the service's end closes: the loop returns
     thread.join(10)
     assert ended == [None]
+
+
+class Bulk(msgspec.Struct, tag=True):
+    events: int
+
+
+class _Count:
+    def apply(self, tx: Any, op: Bulk) -> Any:
+        return lambda: op.events
+
+
+def test_gate_ops_are_committed_before_waiting_ingest_ops_which_go_in_budgeted_groups() -> None:
+    """Three 1000-event ops, then a gate op, arrive in one read: the gate op's group commits
+    first, then the ingest ops in groups of at most the budget (1,500 events: one op each, as
+    two would pass it), alternating with gate ops that arrive meanwhile."""
+    ours, theirs = socket.socketpair()
+    decoder = msgspec.msgpack.Decoder(tuple[int, Ping | Bulk])
+    groups: list[tuple[str, int]] = []
+
+    def writer() -> None:
+        run_writer(_Store(), theirs, decoder.decode,  # type: ignore[arg-type]
+                   {Ping: _Double(), Bulk: _Count()},  # type: ignore[dict-item]
+                   on_rollback=lambda store: None, tick_seconds=30,
+                   on_group=lambda lane, ops, seconds, commit_s, ok: groups.append((lane, ops)),
+                   bulk=(Bulk,), bulk_budget=lambda op: op.events, bulk_group_budget=1500)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    ours.sendall(_frame((1, Bulk(1000))) + _frame((2, Bulk(1000))) + _frame((3, Bulk(1000)))
+                 + _frame((4, Ping(1))) + _frame((5, Ping(2))) + _frame((6, Bulk(200))))
+    replies = _read_frames(ours, 6)
+    assert [r[0] for r in replies] == [4, 5, 1, 2, 3, 6]
+    assert replies[0] == [4, True, 2] and replies[2] == [1, True, 1000]
+    # Bulk 3 (1,000) and Bulk 6 (200) fit one group of 1,500.
+    assert groups == [("gate", 2), ("ingest", 1), ("ingest", 1), ("ingest", 2)]
+    ours.close()
+    thread.join(10)
+
+
+def test_a_gate_op_arriving_while_ingest_ops_wait_goes_next() -> None:
+    """Ingest ops waiting do not hold a gate op that arrives after them for more than one
+    ingest group: the lanes alternate."""
+    ours, theirs = socket.socketpair()
+    decoder = msgspec.msgpack.Decoder(tuple[int, Ping | Bulk])
+    groups: list[tuple[str, int]] = []
+    gate_sent = threading.Event()
+
+    class _Slow:
+        def apply(self, tx: Any, op: Bulk) -> Any:
+            gate_sent.wait(5)  # the gate op arrives while this group is being decided
+            return lambda: op.events
+
+    def writer() -> None:
+        run_writer(_Store(), theirs, decoder.decode,  # type: ignore[arg-type]
+                   {Ping: _Double(), Bulk: _Slow()},  # type: ignore[dict-item]
+                   on_rollback=lambda store: None, tick_seconds=30,
+                   on_group=lambda lane, ops, seconds, commit_s, ok: groups.append((lane, ops)),
+                   bulk=(Bulk,), bulk_budget=lambda op: op.events, bulk_group_budget=1000)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    ours.sendall(b"".join(_frame((i, Bulk(1000))) for i in range(1, 5)))
+    time.sleep(0.2)
+    ours.sendall(_frame((9, Ping(4))))
+    gate_sent.set()
+    replies = _read_frames(ours, 5)
+    assert [r[0] for r in replies] == [1, 9, 2, 3, 4]
+    assert groups[:2] == [("ingest", 1), ("gate", 1)]
+    ours.close()
+    thread.join(10)
+
+
+def test_a_gate_group_takes_along_the_small_ingest_ops_at_the_head_of_their_queue() -> None:
+    """Single events waiting behind no batch ride in the gate's group (within the rider budget):
+    one journal sync for both; a batch never does."""
+    ours, theirs = socket.socketpair()
+    decoder = msgspec.msgpack.Decoder(tuple[int, Ping | Bulk])
+    groups: list[tuple[str, int]] = []
+
+    def writer() -> None:
+        run_writer(_Store(), theirs, decoder.decode,  # type: ignore[arg-type]
+                   {Ping: _Double(), Bulk: _Count()},  # type: ignore[dict-item]
+                   on_rollback=lambda store: None, tick_seconds=30,
+                   on_group=lambda lane, ops, seconds, commit_s, ok: groups.append((lane, ops)),
+                   bulk=(Bulk,), bulk_budget=lambda op: op.events, bulk_group_budget=1000,
+                   rider_budget=4)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    ours.sendall(_frame((1, Bulk(1))) + _frame((2, Bulk(1))) + _frame((3, Ping(1)))
+                 + _frame((4, Bulk(1000))) + _frame((5, Bulk(1))))
+    replies = _read_frames(ours, 5)
+    assert sorted(r[0] for r in replies[:3]) == [1, 2, 3]
+    assert [r[0] for r in replies[3:]] == [4, 5]
+    assert groups == [("gate", 3), ("ingest", 1), ("ingest", 1)]
+    ours.close()
+    thread.join(10)
+
+
+class Events(msgspec.Struct, tag=True):
+    ids: list[int]
+
+
+class _Echo:
+    def apply(self, tx: Any, op: Events) -> Any:
+        if -1 in op.ids:
+            raise ValueError("refused")  # this part fails alone (500)
+        return lambda: op.ids
+
+
+def _split(op: Events, n: int) -> tuple[Events, Events]:
+    return Events(op.ids[:n]), Events(op.ids[n:])
+
+
+def _run_split_writer(theirs: socket.socket, groups: list[tuple[str, int]]) -> None:
+    decoder = msgspec.msgpack.Decoder(tuple[int, Ping | Events])
+    run_writer(_Store(), theirs, decoder.decode,  # type: ignore[arg-type]
+               {Ping: _Double(), Events: _Echo()},  # type: ignore[dict-item]
+               on_rollback=lambda store: None, tick_seconds=30,
+               on_group=lambda lane, ops, seconds, commit_s, ok: groups.append((lane, ops)),
+               bulk=(Events,), bulk_budget=lambda op: len(op.ids), bulk_group_budget=4,
+               split=_split, join=lambda parts: [i for p in parts for i in p])
+
+
+def test_an_ingest_op_past_the_budget_is_cut_into_groups_and_answered_once_whole() -> None:
+    """A 10-unit op with a budget of 4 goes in three groups (4, 4, 2) and gets one reply with
+    every outcome in order; a gate op arriving with it goes first; an op after it fills the
+    last group's room."""
+    ours, theirs = socket.socketpair()
+    groups: list[tuple[str, int]] = []
+    thread = threading.Thread(target=_run_split_writer, args=(theirs, groups), daemon=True)
+    thread.start()
+    ours.sendall(_frame((1, Events(list(range(10))))) + _frame((2, Ping(3))) + _frame((3, Events([10, 11]))))
+    replies = _read_frames(ours, 3)
+    assert replies == [[2, True, 6], [1, True, list(range(10))], [3, True, [10, 11]]]
+    assert groups == [("gate", 1), ("ingest", 1), ("ingest", 1), ("ingest", 2)]
+    # A part that fails answers its op with the failure, once, and its later parts are dropped.
+    ours.sendall(_frame((4, Events([20, 21, 22, 23, -1, 24, 25, 26, 27, 28]))) + _frame((5, Events([30]))))
+    replies = _read_frames(ours, 2)
+    assert replies[0][0] == 4 and replies[0][1] is False and replies[0][2]["status"] == 500
+    assert replies[1] == [5, True, [30]]
+    ours.close()
+    thread.join(10)

@@ -20,11 +20,23 @@ store then refuses to open (`JournalCorrupt`, see `warehouse.journal_scan`) and 
 
 Everything that reads the operational file in the writer process calls `materialize` first
 (or `reading`); the lake exporter reads only what is applied, a tick later.
+
+When the file refuses a write (a full disk: the journal's prefilled segments need no new
+blocks, so it keeps taking groups), the applier keeps the rows and tries again after a pause
+that doubles up to `APPLY_RETRY_MAX_SECONDS`. The journal keeps acknowledging until the rows
+it holds beyond the file reach `max_backlog_rows`; from then on the store is `refusing` and
+the writer answers every write 503 `STORAGE.UNAVAILABLE` (`warehouse.writer`), so memory and
+the journal stay bounded. The first apply that succeeds ends it. A read that needs the file
+meanwhile fails with `StorageUnavailable` (503) instead of retrying on every request. At a
+start, `recover` applies what the journal holds in transactions of at most
+`RECOVERY_STEP_ROWS` rows. A journal segment that cannot be made (or a spare that cannot be
+prefilled) leaves the current segment in use; an append that fails fails its group (503).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -38,11 +50,19 @@ import pyarrow as pa
 
 from core.constants import INT64_MAX, INT64_MIN
 from warehouse.durable import sync_dir
-from warehouse.journal_scan import HEAD, JournalCorrupt, JournalScan, Record, Stretch, scan_journal
+from warehouse.journal_scan import (
+    HEAD,
+    JournalCorrupt,
+    JournalScan,
+    Record,
+    Stretch,
+    read_tables,
+    scan_journal,
+)
 from warehouse.journal_scan import encode as _encode
 
-__all__ = ["DirectStore", "Journal", "JournalCorrupt", "JournaledStore", "TableWriter",
-           "register_table", "write_rows"]
+__all__ = ["DirectStore", "Journal", "JournalCorrupt", "JournaledStore", "StorageUnavailable",
+           "TableWriter", "register_table", "write_rows"]
 
 log = logging.getLogger("tollgate.writer")
 
@@ -53,6 +73,25 @@ TableWriter = Callable[[duckdb.DuckDBPyConnection, list[tuple[Any, ...]]], None]
 
 
 BACKGROUND_NICENESS = 10
+
+
+class StorageUnavailable(Exception):
+    """The operational file refuses writes (or the store refuses them for it): an op that
+    needed it fails alone, answered 503 `STORAGE.UNAVAILABLE` with `Retry-After`."""
+
+    def __init__(self, message: str, retry_after: float = 2.0) -> None:
+        super().__init__(message)
+        self.retry_after = max(1, math.ceil(retry_after))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"status": 503, "code": "STORAGE.UNAVAILABLE", "message": str(self),
+                "headers": {"Retry-After": str(self.retry_after)}}
+
+
+def _brief(exc: BaseException) -> str:
+    """An error in one line, for logs and answers."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
 
 
 def run_in_background() -> None:
@@ -150,6 +189,7 @@ class Journal:
         if tail is not None:
             self.cut(tail.offset)
         for record in records:
+            assert record.tables is not None  # scanned with its rows kept
             yield record.seq, record.tables
 
     def cut(self, at: int) -> None:
@@ -235,7 +275,7 @@ class _Batch:
     """Rows handed to the applier: every group up to `seq`, the journal segments that hold
     exactly those groups, and deferred rows."""
 
-    __slots__ = ("tables", "seq", "segments", "deferred", "journaled_bytes")
+    __slots__ = ("tables", "seq", "segments", "deferred", "journaled_bytes", "journaled_rows")
 
     def __init__(self, tables: dict[str, list[tuple[Any, ...]]], seq: int, segments: list[Journal],
                  deferred: dict[str, list[tuple[Any, ...]]]) -> None:
@@ -244,6 +284,7 @@ class _Batch:
         self.segments = segments
         self.deferred = deferred
         self.journaled_bytes = 0  # the store's journaled bytes when it was taken
+        self.journaled_rows = 0  # and its journaled rows
 
 
 class JournaledStore:
@@ -264,9 +305,20 @@ class JournaledStore:
     # Rows waiting beyond this are handed over at once; beyond twice this, the writer waits.
     MAX_PENDING_ROWS = 50_000
     SEGMENT_BYTES = 16 << 20
+    # At a start, the journal's groups reach the file in transactions of about this many rows.
+    RECOVERY_STEP_ROWS = 50_000
+    # After a failed apply the next try waits this long, doubling up to the maximum.
+    APPLY_RETRY_FIRST_SECONDS = 0.25
+    APPLY_RETRY_MAX_SECONDS = 5.0
 
-    def __init__(self, conn: duckdb.DuckDBPyConnection, journal_dir: Path) -> None:
+    def __init__(self, conn: duckdb.DuckDBPyConnection, journal_dir: Path, *,
+                 max_backlog_rows: int = 100_000, fault_file: Path | None = None) -> None:
+        """`max_backlog_rows`: while the file refuses writes, how many journaled rows it may
+        lack before the store refuses writes too (`refusing`). `fault_file`, for tests only:
+        while that file exists, every apply to the file fails as on a full disk."""
         self.conn = conn
+        self.max_backlog_rows = max_backlog_rows
+        self.fault_file = fault_file
         self._applier_conn = conn.cursor()
         self._dir = journal_dir
         journal_dir.mkdir(parents=True, exist_ok=True)
@@ -278,13 +330,26 @@ class JournaledStore:
         self.journaled_bytes = 0
         self.applied_bytes = 0
         self.apply_failures = 0
+        # The same in rows (recovered groups included): the backlog `refusing` bounds.
+        self.journaled_rows = 0
+        self.applied_rows = 0
+        # While applies fail: since when (monotonic), the last error, when to try again and
+        # the pause before the try after that.
+        self.failing_since: float | None = None
+        self.last_apply_error = ""
+        self._retry_at = 0.0
+        self._retry_pause = 0.0
+        self._rotation_failed = False
         row = conn.execute("SELECT coalesce(max(applied_seq), 0) FROM journal_state").fetchone()
         self.applied_seq = int(row[0]) if row else 0
         self.seq = self.applied_seq
         found = self._segment_paths()
         # Read before anything is created or cut: a journal that may have lost an
         # acknowledged group stops here, as it is (the operator decides; the message says how).
-        self._scan: JournalScan | None = scan_journal(journal_dir, self.applied_seq, found)
+        # Rows are not kept: `recover` reads them again a segment at a time, so a large
+        # journal never sits in memory whole.
+        self._scan: JournalScan | None = scan_journal(journal_dir, self.applied_seq, found,
+                                                      keep_tables=False)
         if not self._scan.ok:
             raise JournalCorrupt(self._scan)
         self._next_segment = (int(found[-1].stem) + 1) if found else 1
@@ -306,7 +371,8 @@ class JournaledStore:
         return sorted(self._dir.glob("*.journal"))
 
     def _new_segment(self) -> Journal:
-        """The next segment of the series: the spare if it is ready, else a file to append to."""
+        """The next segment of the series: the spare if it is ready, else a file to append to.
+        On an error nothing is added to `_segments` (the caller keeps the current segment)."""
         path = self._dir / f"{self._next_segment:012d}.journal"
         self._next_segment += 1
         spare = self._spare
@@ -314,8 +380,12 @@ class JournaledStore:
             os.rename(spare.path, path)
             self._spare = None
             spare.path = path
+            try:
+                sync_dir(self._dir)
+            except OSError:
+                spare.close()  # left as zeros, which a start reads as no group
+                raise
             self._segments.append(spare)
-            sync_dir(self._dir)
             journal = spare
         else:
             journal = Journal(path)
@@ -347,21 +417,35 @@ class JournaledStore:
     def recover(self) -> int:
         """Apply every journaled group the file does not hold yet; the number applied. The
         segments were read when the store opened (and found sound): their groups follow on
-        from the file's last one, and what is cut is only a record nobody was told about."""
+        from the file's last one, and what is cut is only a record nobody was told about.
+        Raises `StorageUnavailable` if the file refuses them: every group is read and kept
+        all the same, and `materialize` tries again."""
         applied = 0
+        refused: StorageUnavailable | None = None
         scan, self._scan = self._scan, None
         for segment in scan.segments if scan is not None else []:
             old = Journal(segment.path)
+            data = segment.path.read_bytes() if segment.records else b""
             for piece in segment.pieces:
                 if isinstance(piece, Stretch):  # a torn tail: nothing valid after it anywhere
                     old.cut(piece.offset)
                     break
                 if piece.seq <= self.seq:  # in the file already
                     continue
-                self._merge(piece.tables)
+                self._merge(read_tables(data, piece))
                 self.seq = piece.seq
                 applied += 1
+                if self._pending_rows >= self.RECOVERY_STEP_ROWS and refused is None:
+                    # A large backlog goes in steps, each recorded in `journal_state`: the
+                    # segment being read is not in `_segments` yet, so it is not deleted.
+                    try:
+                        self.materialize()
+                    except StorageUnavailable as exc:
+                        refused = exc  # read the rest; the writer's tick tries again
+            segment.pieces, data = [], b""  # its rows are merged or applied: let them go
             self._segments.insert(len(self._segments) - 1, old)
+        if refused is not None:
+            raise refused
         self.materialize()
         if applied:
             log.info("journal: applied %d groups left from the last run", applied)
@@ -384,6 +468,7 @@ class JournaledStore:
         for table, rows in tables.items():
             self._pending.setdefault(table, []).extend(rows)
             self._pending_rows += len(rows)
+            self.journaled_rows += len(rows)
 
     def defer(self, table: str, rows: list[tuple[Any, ...]]) -> None:
         """Rows that need no journal: derived, best-effort data (inline ratings) that a crash
@@ -399,15 +484,78 @@ class JournaledStore:
     def pending_rows(self) -> int:
         return self._pending_rows
 
+    @property
+    def unapplied_rows(self) -> int:
+        """Journaled (acknowledged) rows not known to be in the file."""
+        return max(0, self.journaled_rows - self.applied_rows)
+
+    @property
+    def refusing(self) -> bool:
+        """Whether writes must be refused: the file refuses them and the journal holds
+        `max_backlog_rows` or more rows it lacks."""
+        return self.failing_since is not None and self.unapplied_rows >= self.max_backlog_rows
+
+    def refusal(self) -> StorageUnavailable:
+        """What a refused write is answered: 503 with the time to the next try."""
+        wait = max(0.0, self._retry_at - time.monotonic())
+        # The error itself (which may name paths) is in the writer's log, not in answers.
+        return StorageUnavailable(
+            f"the service's storage refuses writes (a full disk?); {self.unapplied_rows}"
+            f" acknowledged rows wait for it (the bound is {self.max_backlog_rows}): retry",
+            retry_after=wait)
+
+    def _note_failure(self, exc: BaseException) -> None:
+        """An apply failed (called from either thread): pause before the next try."""
+        now = time.monotonic()
+        self.apply_failures += 1
+        self.last_apply_error = _brief(exc)
+        self._retry_pause = min(self.APPLY_RETRY_MAX_SECONDS,
+                                max(self.APPLY_RETRY_FIRST_SECONDS, self._retry_pause * 2))
+        self._retry_at = now + self._retry_pause
+        if self.failing_since is None:
+            self.failing_since = now
+            log.error("the operational file refused %d journaled rows; they stay in the journal"
+                      " and are tried again, writes are refused past %d", self.unapplied_rows,
+                      self.max_backlog_rows, exc_info=exc)
+        else:
+            log.warning("the operational file still refuses writes (%s); next try in %g s",
+                        self.last_apply_error, self._retry_pause)
+
+    def _note_success(self) -> None:
+        if self.failing_since is not None:
+            log.warning("the operational file takes writes again after %.1f s",
+                        time.monotonic() - self.failing_since)
+            self.failing_since = None
+            self.last_apply_error = ""
+            self._retry_pause = 0.0
+
+    def retry_due(self) -> bool:
+        """Whether the file may be tried now: no failed apply, or its pause is over."""
+        return self.failing_since is None or time.monotonic() >= self._retry_at
+
     def _take(self) -> _Batch | None:
         """The waiting rows as a batch (with a failed batch before them); the segments the
         writer has moved on from go with it, to be deleted once it is applied. The current
         segment keeps taking groups until it is full (or a prefilled spare can replace a
         segment that was not prefilled)."""
-        if self._failed is None and self.seq == self.applied_seq and not self._deferred:
+        if (self._failed is None and self.seq == self.applied_seq and not self._deferred
+                and len(self._segments) == 1):  # (segments read at a start are deleted too)
             return None
-        # The next segment first: if it cannot be made, nothing has changed.
-        journal = self._new_segment() if self._rotation_due() else self.journal
+        # The next segment first. One that cannot be made (no space for the journal either)
+        # leaves the current one in use: its groups stay applied as they come.
+        journal = self.journal
+        if self._rotation_due():
+            try:
+                journal = self._new_segment()
+            except OSError:
+                if not self._rotation_failed:
+                    log.warning("journal: could not start a new segment; %s stays in use",
+                                self.journal.path.name, exc_info=True)
+                self._rotation_failed = True
+            else:
+                if self._rotation_failed:
+                    log.warning("journal: a new segment could be started again")
+                self._rotation_failed = False
         closed = self._segments[:-1]
         self._segments = [journal]
         self.journal = journal
@@ -424,6 +572,7 @@ class JournaledStore:
             batch = _Batch(self._pending, self.seq, closed, self._deferred)
         self._pending, self._pending_rows, self._deferred = {}, 0, {}
         batch.journaled_bytes = self.journaled_bytes
+        batch.journaled_rows = self.journaled_rows
         return batch
 
     def _settle(self) -> None:
@@ -433,7 +582,9 @@ class JournaledStore:
         if self._done is not None:
             self.applied_seq = max(self.applied_seq, self._done.seq)
             self.applied_bytes = max(self.applied_bytes, self._done.journaled_bytes)
+            self.applied_rows = max(self.applied_rows, self._done.journaled_rows)
             self._done = None
+            self._note_success()
 
     def materialize_soon(self) -> None:
         """Hand the waiting rows to the applier thread, unless it is still busy (then they
@@ -444,6 +595,8 @@ class JournaledStore:
                 return
             self._thread.join()
             self._settle()
+        if not self.retry_due():
+            return  # the file refused the last try: wait out the pause
         batch = self._take()
         if batch is None:
             if self.after_apply is not None and time.monotonic() - self._idle_upkeep_at > 2.0:
@@ -473,10 +626,8 @@ class JournaledStore:
         try:
             self._apply(self._applier_conn, batch)
         except BaseException as exc:
-            log.exception("applying %d journaled groups to the file failed; retrying later",
-                          batch.seq - self.applied_seq)
             self._failed = (batch, exc)
-            self.apply_failures += 1
+            self._note_failure(exc)
             return
         self._done = batch
         self._upkeep(self._applier_conn)
@@ -485,6 +636,7 @@ class JournaledStore:
         if batch.seq > self.applied_seq or any(batch.tables.values()):
             conn.execute("BEGIN")
             try:
+                self._check_fault()
                 write_rows(conn, batch.tables)
                 conn.execute("DELETE FROM journal_state")
                 conn.execute("INSERT INTO journal_state VALUES (?)", [batch.seq])
@@ -522,22 +674,35 @@ class JournaledStore:
                     pass
             batch.deferred = {}
 
+    def _check_fault(self) -> None:
+        """The test hook (`fault_file`): fail the apply as a full disk would."""
+        fault = self.fault_file
+        if fault is not None and fault.exists():
+            raise duckdb.IOException("Could not write to the operational file: No space left on"
+                                     f" device (test fault: {fault.name} exists)")
+
     def materialize(self) -> None:
-        """Apply every durable group not yet in the DuckDB file, now (the writer waits)."""
+        """Apply every durable group not yet in the DuckDB file, now (the writer waits).
+        While the file refuses writes, raises `StorageUnavailable` (at once during the
+        pause after a failed try)."""
         if self._thread is not None:
             self._thread.join()
         self._settle()
+        if not self.retry_due():
+            raise self.refusal()
         batch = self._take()
         if batch is None:
             return
         try:
             self._apply(self.conn, batch)
-        except BaseException as exc:
+        except Exception as exc:
             self._failed = (batch, exc)
-            self.apply_failures += 1
-            raise
+            self._note_failure(exc)
+            raise self.refusal() from exc
         self.applied_seq = batch.seq
         self.applied_bytes = max(self.applied_bytes, batch.journaled_bytes)
+        self.applied_rows = max(self.applied_rows, batch.journaled_rows)
+        self._note_success()
 
     def reading(self) -> duckdb.DuckDBPyConnection:
         """The connection, with every durable group applied: for reads of the file."""
@@ -545,6 +710,7 @@ class JournaledStore:
         return self.conn
 
     def close(self) -> None:
+        self._retry_at = 0.0  # one last try, whatever the pause
         self.materialize()
         self.journal.close()
         self.journal.path.unlink(missing_ok=True)  # everything it holds is in the file

@@ -55,10 +55,20 @@ ACCEPTED_LOG = "accepted-loss.log"
 
 @dataclass(frozen=True, slots=True)
 class Record:
+    """A valid record at [offset, end); `tables` is None when the scan did not keep them
+    (`read_tables` decodes them again from the segment's bytes)."""
     seq: int
     offset: int
     end: int
-    tables: dict[str, list[tuple[Any, ...]]] = field(repr=False, compare=False)
+    tables: dict[str, list[tuple[Any, ...]]] | None = field(default=None, repr=False, compare=False)
+
+
+def read_tables(data: bytes, record: Record) -> dict[str, list[tuple[Any, ...]]]:
+    """A record's rows, from the bytes of its segment."""
+    if record.tables is not None:
+        return record.tables
+    _, tables = decode(memoryview(data)[record.offset + HEAD.size:record.end])
+    return tables
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +198,7 @@ class JournalCorrupt(Exception):
         self.scan = scan
 
 
-def _record_at(data: bytes, at: int) -> Record | None:
+def _record_at(data: bytes, at: int, keep: bool = True) -> Record | None:
     if at + HEAD.size > len(data):
         return None
     size, crc = HEAD.unpack_from(data, at)
@@ -204,7 +214,7 @@ def _record_at(data: bytes, at: int) -> Record | None:
         return None
     if seq < 1:
         return None
-    return Record(seq, at, end, tables)
+    return Record(seq, at, end, tables if keep else None)
 
 
 def _next_record(data: bytes, start: int) -> Record | None:
@@ -219,8 +229,9 @@ def _next_record(data: bytes, start: int) -> Record | None:
     return None
 
 
-def scan_segment(path: Path) -> SegmentScan:
+def scan_segment(path: Path, keep_tables: bool = True) -> SegmentScan:
     """Read one segment: its records and the stretches between or after them that hold none.
+    Without `keep_tables`, each record is decoded to check it and its rows are let go.
 
     >>> import tempfile
     >>> p = Path(tempfile.mkdtemp()) / "000000000001.journal"
@@ -237,7 +248,7 @@ def scan_segment(path: Path) -> SegmentScan:
     pieces: list[Record | Stretch] = []
     at = 0
     while at < len(data):
-        record = _record_at(data, at)
+        record = _record_at(data, at, keep_tables)
         if record is not None:
             pieces.append(record)
             at = record.end
@@ -256,9 +267,12 @@ def segment_paths(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.journal"))
 
 
-def scan_journal(directory: Path, applied: int, paths: list[Path] | None = None) -> JournalScan:
-    """Read every segment in order and check the group numbers against `applied`."""
-    segments = [scan_segment(p) for p in (segment_paths(directory) if paths is None else paths)]
+def scan_journal(directory: Path, applied: int, paths: list[Path] | None = None, *,
+                 keep_tables: bool = True) -> JournalScan:
+    """Read every segment in order and check the group numbers against `applied` (without
+    `keep_tables`, holding no record's rows: a large journal costs no memory here)."""
+    segments = [scan_segment(p, keep_tables)
+                for p in (segment_paths(directory) if paths is None else paths)]
     problems: list[Problem] = []
     last = applied
     pending: list[tuple[str, Stretch]] = []

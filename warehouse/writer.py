@@ -1,10 +1,14 @@
 """The group-commit writer: one process owns the operational file.
 
 The service sends each write as an op (a msgspec Struct) over a socket to the writer
-process and awaits the reply. The writer takes everything waiting, applies the ops in
-arrival order, flushes the rows they staged, commits the group (to the journal, see below),
-and only then replies to each with its own outcome. So a reply is sent only after its
+process and awaits the reply. The writer takes everything waiting, applies the ops of a lane
+in arrival order, flushes the rows they staged, commits the group (to the journal, see
+below), and only then replies to each with its own outcome. So a reply is sent only after its
 commit (2xx means durable), and a thousand requests cost one commit, not a thousand.
+
+Gate calls sit in front of a customer's work, event ingestion does not: the gate's ops are a
+lane of their own, committed before the ingest lane's, whose groups are kept to a budget of
+events so that a gate op never waits behind more than one of them (`run_writer`).
 
 Why a process and not a thread: measured here, a DuckDB insert of 30 rows plus its commit
 took 3.8 ms alone and 19.7 ms while another Python thread was busy, because each return from
@@ -21,6 +25,14 @@ Wire: frames of a 4-byte big-endian length and a msgpack body. Request `[id, op]
 A request the writer cannot decode is answered with a 500 when its id can be read, and
 skipped (logged) when not: a bad frame never ends the writer.
 
+While the store is `refusing` (the operational file refuses writes and the journal holds as
+many rows beyond it as it may), every op but the read-only ones is answered 503
+`STORAGE.UNAVAILABLE` with `Retry-After` before it is decided; if the in-memory state could
+not be rebuilt after a failed group (the file cannot take the journal's rows), every op is,
+until a tick manages it. Neither ends the writer. The writer tells the service when either
+starts or ends with a status frame, `[0, true, {"refusing": bool, "reason": str}]` (request
+ids start at 1), which `/healthz` reports.
+
 The client gives every op a deadline: an op still unanswered after it fails with 503
 `STORAGE.UNAVAILABLE`, and its late reply, if one comes, is dropped. When the writer's end
 closes, every op in flight fails at once the same way and `lost` completes (the service's
@@ -35,6 +47,7 @@ import select
 import socket
 import struct
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import Any, Protocol
@@ -43,9 +56,10 @@ import duckdb
 import msgspec
 
 from core.clock import SYSTEM_CLOCK, Clock
-from warehouse.journal import DirectStore, JournaledStore
+from warehouse.journal import DirectStore, JournaledStore, StorageUnavailable
 
-__all__ = ["Handler", "RemoteFailure", "Transaction", "WriterClient", "run_writer", "unavailable"]
+__all__ = ["Handler", "LoopStatus", "RemoteFailure", "Transaction", "WriterClient", "run_writer",
+           "unavailable"]
 
 log = logging.getLogger("tollgate.writer")
 _LEN = struct.Struct(">I")
@@ -158,6 +172,39 @@ def _refuse_frame(frame: bytes, exc: Exception, refused: list[tuple[int, bool, A
                                  "message": "the writer could not read the request"}))
 
 
+class LoopStatus:
+    """What the writer loop refuses, for its metrics and its status frames."""
+
+    __slots__ = ("stale", "refused_ops", "sent")
+
+    def __init__(self) -> None:
+        # Why the in-memory state awaits a rebuild from the file (every op refused); "" if not.
+        self.stale = ""
+        self.refused_ops = 0  # ops answered 503 before they were decided
+        self.sent: tuple[bool, str] = (False, "")  # the last status frame sent
+
+    def current(self, store: JournaledStore) -> tuple[bool, str]:
+        if self.stale:
+            return True, "storage: the writer waits for the operational file to take the journal's rows"
+        if store.refusing:
+            return True, (f"storage: the operational file refuses writes; {store.unapplied_rows}"
+                          " acknowledged rows wait for it")
+        return False, ""
+
+
+def _status_frame(status: LoopStatus, store: JournaledStore) -> bytes:
+    """A status frame if the status changed since the last one, else nothing."""
+    now = status.current(store)
+    if now == status.sent:
+        return b""
+    status.sent = now
+    if now[0]:
+        log.error("refusing writes: %s", now[1])
+    else:
+        log.warning("taking writes again")
+    return _frame(_encode((0, True, {"refusing": now[0], "reason": now[1]})))
+
+
 def run_writer(
     store: JournaledStore,
     sock: socket.socket,
@@ -168,23 +215,73 @@ def run_writer(
     tick: Callable[[duckdb.DuckDBPyConnection], None] | None = None,
     tick_seconds: float = 0.5,
     after_group: Callable[[JournaledStore], None] | None = None,
-    on_group: Callable[[int, float, bool], None] | None = None,
+    on_group: Callable[[str, int, float, float, bool], None] | None = None,
     clock: Clock = SYSTEM_CLOCK,
+    bulk: tuple[type, ...] = (),
+    bulk_budget: Callable[[Any], int] = lambda op: 1,
+    bulk_group_budget: int = 1,
+    rider_budget: int = 0,
+    split: Callable[[Any, int], tuple[Any, Any]] | None = None,
+    join: Callable[[list[Any]], Any] = lambda parts: parts,
+    read_only: frozenset[type] = frozenset(),
+    status: LoopStatus | None = None,
 ) -> None:
     """The writer process's loop; returns when the service closes its end of the socket.
+
+    Two lanes. The op types of `bulk` (event ingestion) form the ingest lane, every other op
+    the gate lane. Every gate op waiting is committed first, in a group of its own; ingest
+    ops wait in arrival order and go in groups of at most `bulk_group_budget` units (an op
+    costs `bulk_budget(op)`: its events; one op past the budget still forms its group), and
+    after every ingest group the socket is read again. When both lanes wait they alternate,
+    so a gate op waits for at most one ingest group and the ingest lane is never starved.
+    Within a lane, ops are applied in arrival order. A gate group also takes the ingest ops at
+    the head of their queue that fit `rider_budget` together (single events): they cost its
+    group little, and save a commit (a journal sync) of their own.
+
+    With `split`, an ingest op larger than what is left of a group's budget is cut
+    (`split(op, n)` returns its first n units and the rest): its parts go in successive
+    groups, and it is answered once, after its last part committed, with `join` of the
+    parts' outcomes; if a part fails, the op is answered with that failure at once and its
+    other parts are dropped (the parts before it stay stored: a retried event is then a
+    duplicate, as after any reply lost). So one 1000-event batch does not make a gate op wait
+    for the whole of it.
 
     `tick` runs every `tick_seconds` between groups (lease expiry and other timed work), on
     the connection, right after the waiting rows were handed to the applier (they may not be
     in the file yet: a tick that reads the file must call `store.reading()`); `after_group`
-    runs after each group's replies are sent; `on_group` is told each group's number of ops,
-    its time from the first decision to the durable commit (seconds), and whether it
-    committed (the writer's metrics)."""
+    runs after each group's replies are sent; `on_group` is told each group's lane (`gate`,
+    `ingest`), its number of ops, its time from the first decision to the durable commit and
+    the commit's own part (journal append and sync, in seconds), and whether it committed
+    (the writer's metrics). Ops of a `read_only` type are answered while writes are refused;
+    `status` is kept up to date (a new one when not given)."""
     buf = bytearray()
     next_tick = time.monotonic() + tick_seconds
+    gate: list[tuple[int, Any]] = []
+    ingest: deque[tuple[int, Any]] = deque()
+    parts: dict[int, list[Any]] = {}  # outcomes of the committed parts of ops cut by `split`
+    last_lane = "ingest"
     sock.setblocking(False)
+    status = status if status is not None else LoopStatus()
+
+    def rollback(s: JournaledStore) -> None:
+        # A failed group may have changed the in-memory state: rebuild it from the file.
+        # If the file cannot take the journal's rows, refuse every op until it can.
+        try:
+            on_rollback(s)
+        except Exception as exc:
+            if not status.stale:
+                log.error("the writer's state could not be rebuilt from the operational file;"
+                          " every op is refused until it can be", exc_info=exc)
+            status.stale = f"{type(exc).__name__}: {exc}"
+        else:
+            if status.stale:
+                log.warning("the writer's state is rebuilt from the operational file")
+            status.stale = ""
+
     while True:
-        wait = max(0.0, next_tick - time.monotonic())
+        wait = 0.0 if gate or ingest else max(0.0, next_tick - time.monotonic())
         readable, _, _ = select.select([sock], [], [], wait)
+        refused: list[tuple[int, bool, Any]] = []
         if readable:
             try:
                 while True:
@@ -194,51 +291,141 @@ def run_writer(
                     buf += chunk
             except BlockingIOError:
                 pass
-            requests: list[tuple[int, Any]] = []
-            refused: list[tuple[int, bool, Any]] = []
             for frame in _frames(buf):
                 try:
-                    requests.append(decode_request(frame))
+                    request = decode_request(frame)
                 except Exception as exc:
                     _refuse_frame(frame, exc, refused)
-            if requests or refused:
-                replies: list[Any] = []
-                if requests:
-                    began = time.perf_counter()
-                    replies, committed = _run_group(store, requests, handlers, on_rollback, clock.now())
-                    if on_group is not None:
-                        on_group(len(requests), time.perf_counter() - began, committed)
-                sock.setblocking(True)
-                sock.sendall(b"".join(_reply_frame(r) for r in replies + refused))
-                sock.setblocking(False)
-                if after_group is not None:
-                    # Work that follows a durable group and must never change its replies
-                    # (such as rating newly accepted single events inline).
-                    try:
-                        after_group(store)
-                    except Exception:
-                        log.exception("after-group step failed")
-                if store.pending_rows >= store.MAX_PENDING_ROWS:
-                    try:
-                        # It may start a journal segment; if that fails, the rows wait for
-                        # the tick (every reply of the group is sent already).
-                        store.materialize_soon()
-                    except Exception:
-                        log.exception("handing rows to the applier failed")
+                    continue
+                (ingest if isinstance(request[1], bulk) else gate).append(request)
+        if (gate or ingest) and (status.stale or store.refusing):
+            gate = _refuse_writes(store, status, gate, read_only, refused)
+            if ingest:
+                ingest = deque(_refuse_writes(store, status, list(ingest), read_only, refused))
+            for rid, _, _ in refused:
+                parts.pop(rid, None)  # a cut op whose tail was refused: answered with that
+        lane, requests = "", list[tuple[int, Any]]()
+        head_rides = bool(ingest) and bulk_budget(ingest[0][1]) <= rider_budget
+        if gate and (last_lane == "ingest" or not ingest or head_rides):
+            lane, requests, gate = "gate", gate, []
+            riders = 0
+            while ingest and riders + bulk_budget(ingest[0][1]) <= rider_budget:
+                request = ingest.popleft()
+                riders += bulk_budget(request[1])
+                requests.append(request)
+        elif ingest:
+            lane, used = "ingest", 0
+            while ingest and used < bulk_group_budget:
+                rid, op = ingest[0]
+                cost = bulk_budget(op)
+                if used + cost <= bulk_group_budget or (not requests and split is None):
+                    ingest.popleft()
+                    used += cost
+                    requests.append((rid, op))
+                elif split is not None:
+                    # The op's head goes in this group; its tail stays first in the queue, and
+                    # the op is answered once its last part has committed.
+                    head, tail = split(op, bulk_group_budget - used)
+                    ingest[0] = (rid, tail)
+                    used = bulk_group_budget
+                    requests.append((rid, head))
+                else:
+                    break
+        if requests or refused:
+            replies: list[Any] = []
+            if requests:
+                last_lane = lane
+                began = time.perf_counter()
+                replies, committed, commit_s = _run_group(store, requests, handlers, rollback,
+                                                          clock.now())
+                if on_group is not None:
+                    on_group(lane, len(requests), time.perf_counter() - began, commit_s, committed)
+                if parts or (ingest and any(rid == ingest[0][0] for rid, _ in requests)):
+                    replies = _gather_parts(replies, parts, ingest, join)
+            sock.setblocking(True)
+            sock.sendall(b"".join(_reply_frame(r) for r in replies + refused)
+                         + _status_frame(status, store))
+            sock.setblocking(False)
+            if requests and after_group is not None:
+                # Work that follows a durable group and must never change its replies
+                # (such as rating newly accepted single events inline).
+                try:
+                    after_group(store)
+                except Exception:
+                    log.exception("after-group step failed")
+            if store.pending_rows >= store.MAX_PENDING_ROWS:
+                try:
+                    # It may start a journal segment; if that fails, the rows wait for
+                    # the tick (every reply of the group is sent already).
+                    store.materialize_soon()
+                except Exception:
+                    log.exception("handing rows to the applier failed")
         if time.monotonic() >= next_tick:
             try:
                 store.materialize_soon()
+                if status.stale and store.retry_due():
+                    rollback(store)
                 if tick is not None:
                     tick(store.conn)
             except Exception:
                 log.exception("writer tick failed")
+            frame = _status_frame(status, store)
+            if frame:
+                sock.setblocking(True)
+                sock.sendall(frame)
+                sock.setblocking(False)
             next_tick = time.monotonic() + tick_seconds
+
+
+def _gather_parts(replies: list[tuple[int, bool, Any]], parts: dict[int, list[Any]],
+                  ingest: deque[tuple[int, Any]],
+                  join: Callable[[list[Any]], Any]) -> list[tuple[int, bool, Any]]:
+    """The replies of a group once the parts of cut ops are gathered: a part whose op has a
+    tail waiting (first in `ingest`) is held; the last part is answered with the joined
+    outcomes; a failed part answers its op and drops its tail."""
+    waiting = ingest[0][0] if ingest else None
+    out: list[tuple[int, bool, Any]] = []
+    for rid, ok, value in replies:
+        if rid == waiting:
+            if ok:
+                parts.setdefault(rid, []).append(value)
+                continue
+            ingest.popleft()
+            parts.pop(rid, None)
+            out.append((rid, ok, value))
+        elif rid in parts:
+            held = parts.pop(rid)
+            out.append((rid, True, join([*held, value])) if ok else (rid, ok, value))
+        else:
+            out.append((rid, ok, value))
+    return out
+
+
+def _refuse_writes(store: JournaledStore, status: LoopStatus, requests: list[tuple[int, Any]],
+                   read_only: frozenset[type],
+                   refused: list[tuple[int, bool, Any]]) -> list[tuple[int, Any]]:
+    """Answer 503 to every op that may write (every op while the state is stale) before it
+    is decided; the ops left to run."""
+    if status.stale:
+        failure = StorageUnavailable("the writer waits for the operational file to take the"
+                                     " journal's rows before it decides anything: retry").to_wire()
+        kept: list[tuple[int, Any]] = []
+    else:
+        failure = store.refusal().to_wire()
+        kept = [(rid, op) for rid, op in requests if type(op) in read_only]
+    if len(kept) < len(requests):
+        allowed = {rid for rid, _ in kept}
+        for rid, _ in requests:
+            if rid not in allowed:
+                refused.append((rid, False, failure))
+        status.refused_ops += len(requests) - len(kept)
+    return kept
 
 
 def _run_group(store: JournaledStore, requests: list[tuple[int, Any]],
                handlers: dict[type, Handler],
                on_rollback: Callable[[JournaledStore], None],
-               now: datetime) -> tuple[list[tuple[int, bool, Any]], bool]:
+               now: datetime) -> tuple[list[tuple[int, bool, Any]], bool, float]:
     replies: list[tuple[int, bool, Any]] = []
     pending: list[tuple[int, Callable[[], Any]]] = []
     tx = Transaction(store, now)
@@ -254,14 +441,16 @@ def _run_group(store: JournaledStore, requests: list[tuple[int, Any]],
                 replies.append((rid, True, outcome()))
             except Exception as exc:
                 replies.append((rid, False, _failure(exc)))
+        began = time.perf_counter()
         tx.commit()
+        commit_s = time.perf_counter() - began
     except Exception as exc:
         log.exception("group commit failed; %d ops rolled back", len(pending))
         on_rollback(store)
         failure = {"status": 503, "code": "STORAGE.UNAVAILABLE",
                    "message": f"the write could not be committed; retry ({exc.__class__.__name__})"}
-        return [(rid, False, failure) for rid, _ in requests], False
-    return replies, True
+        return [(rid, False, failure) for rid, _ in requests], False, 0.0
+    return replies, True, commit_s
 
 
 def unavailable(message: str) -> dict[str, Any]:
@@ -278,12 +467,17 @@ class WriterClient(asyncio.Protocol):
     sweeps the oldest waiting ops, so an op costs a clock reading, not a timer of its own."""
 
     def __init__(self, sock: socket.socket, result_types: dict[type, Any], *,
-                 deadline_seconds: float = 10.0) -> None:
+                 deadline_seconds: float = 10.0, bulk: tuple[type, ...] = (),
+                 on_reply: Callable[[str, float], None] | None = None) -> None:
         self._sock = sock
+        # Op types of the `ingest` lane (the rest are `gate`), and what is told each reply's
+        # lane and time from submit (the HTTP process's metrics).
+        self._bulk = bulk
+        self._on_reply = on_reply
         self._result_types = result_types
         self._next_id = 1
         # In id order, so the oldest waiting op is always the first.
-        self._waiting: dict[int, tuple[asyncio.Future[Any], Any, float]] = {}
+        self._waiting: dict[int, tuple[asyncio.Future[Any], Any, float, str]] = {}
         self._reply_decoder = msgspec.msgpack.Decoder(tuple[int, bool, msgspec.Raw])
         self._failure_decoder = msgspec.msgpack.Decoder(dict[str, Any])
         self._outgoing: list[bytes] = []
@@ -294,6 +488,8 @@ class WriterClient(asyncio.Protocol):
         self._sweep_every = max(0.01, min(0.25, deadline_seconds / 4))
         self._sweeper: asyncio.TimerHandle | None = None
         self.late_replies = 0
+        # Why the writer refuses writes, from its latest status frame; "" while it takes them.
+        self.refusing = ""
         self.closed = False
         # Completes when the writer's end has closed (or this end was closed).
         self.lost: asyncio.Future[None] | None = None
@@ -330,7 +526,8 @@ class WriterClient(asyncio.Protocol):
         rid = self._next_id
         self._next_id += 1
         fut: asyncio.Future[Any] = loop.create_future()
-        self._waiting[rid] = (fut, self._result_types[type(op)], loop.time())
+        self._waiting[rid] = (fut, self._result_types[type(op)], loop.time(),
+                              "ingest" if isinstance(op, self._bulk) else "gate")
         # Ops of one turn of the event loop leave in one write: one system call instead of
         # one per request, and the writer reads them as one group.
         if not self._outgoing:
@@ -352,7 +549,7 @@ class WriterClient(asyncio.Protocol):
             expired = 0
             while waiting:
                 rid = next(iter(waiting))
-                fut, _, sent = waiting[rid]
+                fut, _, sent, _ = waiting[rid]
                 if sent > limit:
                     break
                 del waiting[rid]
@@ -370,13 +567,22 @@ class WriterClient(asyncio.Protocol):
         buf = self._buf
         buf += data
         waiting = self._waiting
+        on_reply = self._on_reply
+        now = self._loop.time() if on_reply is not None and self._loop is not None else 0.0
         for body in _frames(buf):
             rid, ok, raw = self._reply_decoder.decode(body)
+            if rid == 0:  # a status frame (see the module's doc)
+                state = self._failure_decoder.decode(raw)
+                self.refusing = str(state.get("reason") or "storage refuses writes") \
+                    if state.get("refusing") else ""
+                continue
             entry = waiting.pop(rid, None)
             if entry is None:  # its op passed the deadline and was answered already
                 self.late_replies += 1
                 continue
-            fut, result_type, _ = entry
+            fut, result_type, sent, lane = entry
+            if on_reply is not None:
+                on_reply(lane, now - sent)
             if fut.done():
                 continue
             if ok:
@@ -390,7 +596,7 @@ class WriterClient(asyncio.Protocol):
         self.closed = True
         if self._sweeper is not None:
             self._sweeper.cancel()
-        for fut, _, _ in self._waiting.values():
+        for fut, _, _, _ in self._waiting.values():
             if not fut.done():
                 fut.set_exception(RemoteFailure(unavailable(
                     "the writer process went away; the request may or may not have been stored: retry")))

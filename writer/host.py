@@ -31,15 +31,16 @@ from pipelines.catalog import Catalog, CatalogInvalid, load_catalog
 from warehouse.catalog_store import CatalogStore
 from warehouse.event_index import EventIndex, idempotency_digest
 from warehouse.export import LakeExporter, run_exporter_thread
-from warehouse.journal import JournalCorrupt, JournaledStore, register_table
+from warehouse.journal import JournalCorrupt, JournaledStore, StorageUnavailable, register_table
 from warehouse.operational import open_operational, schema_version
 from warehouse.outbox import EventOutbox
 from warehouse.retention import Retention
-from warehouse.writer import run_writer
+from warehouse.writer import LoopStatus, run_writer
 from writer.events.ingest import IngestHandler
 from writer.gate.book import GateBook
 from writer.metrics import WriterMetrics
 from writer.ops import (
+    BULK_OPS,
     OPS,
     AuthorizeOp,
     CancelOp,
@@ -56,6 +57,9 @@ __all__ = ["CatalogView", "main", "memory_shares", "sync_catalog"]
 
 log = logging.getLogger("tollgate.writer")
 RATE_STEP = 100  # single events rated inline per step between groups
+# Events of the ingest lane a gate group may take along (`run_writer`'s riders): a few single
+# events cost a gate group well under a millisecond, and each saves a journal sync.
+GATE_RIDER_EVENTS = 32
 
 
 def memory_shares(ceiling: int) -> tuple[int, int]:
@@ -133,6 +137,21 @@ class _Adapter:
         self.apply = method
 
 
+def _events_of(op: IngestOp) -> int:
+    """What an ingest op costs of a group's budget (TOLLGATE_WRITER_GROUP_EVENTS)."""
+    return len(op.events)
+
+
+def _split_events(op: IngestOp, n: int) -> tuple[IngestOp, IngestOp]:
+    """An ingest op cut after its first n events (`run_writer` answers the op once, with the
+    outcomes of both parts joined)."""
+    return (IngestOp(op.realm, op.path, op.events[:n]), IngestOp(op.realm, op.path, op.events[n:]))
+
+
+def _join_stored(parts: list[list[Any]]) -> list[Any]:
+    return [stored for part in parts for stored in part]
+
+
 def _die_with_parent() -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -153,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     # dying here first would skip that. (A dead service still takes this process with it.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # A file size limit (ulimit -f) then fails the write like a full disk does (EFBIG),
+    # answered 503 and retried, instead of killing the writer.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     settings = Settings.from_env(args.data_dir)
     setup_logging("writer", settings.log_format or None)
     folder = settings.folder
@@ -161,14 +183,24 @@ def main(argv: list[str] | None = None) -> int:
     conn = open_operational(folder.operational)
     conn.execute(f"SET memory_limit = '{duckdb_memory >> 20}MiB'")
     try:
-        store = JournaledStore(conn, folder.journal)
+        store = JournaledStore(conn, folder.journal, max_backlog_rows=settings.max_backlog_rows,
+                               fault_file=folder.root / settings.test_full_disk_file
+                               if settings.test_full_disk_file else None)
     except JournalCorrupt as exc:
         conn.close()
         print(f"tollgate: {exc}", file=sys.stderr, flush=True)
         return WRITER_JOURNAL_REFUSED
     index = EventIndex(folder.index, index_cache)
     register_table("idempotency", _idempotency_writer(index))
-    store.recover()
+    status = LoopStatus()
+    try:
+        store.recover()
+    except StorageUnavailable as exc:
+        # The file refuses the journal's rows (a full disk): start all the same, refusing
+        # every op until a tick has applied them and rebuilt the state below from the file.
+        log.error("the operational file refuses the journal's rows; every op is refused until"
+                  " it takes them: %s", exc)
+        status.stale = str(exc)
     catalog = CatalogView(folder)
     outbox = EventOutbox(conn, index)
     ingest = IngestHandler(outbox)
@@ -231,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             rate_singles(RATE_STEP)
 
     ticks = 0
-    metrics = WriterMetrics(store, folder.metrics / "writer.prom", exporter) \
+    metrics = WriterMetrics(store, folder.metrics / "writer.prom", exporter, status) \
         if settings.metrics_on else None
 
     def tick(c: Any) -> None:
@@ -273,9 +305,16 @@ def main(argv: list[str] | None = None) -> int:
     exporter_thread = run_exporter_thread(conn, settings.data_dir, stop, exporter=exporter)
     run_writer(store, sock, decode_request, handlers, on_rollback=rebuild, tick=tick, clock=clock,
                after_group=after_group, tick_seconds=0.25,
-               on_group=metrics.on_group if metrics is not None else None)
+               on_group=metrics.on_group if metrics is not None else None,
+               read_only=frozenset({StandingOp}), status=status, bulk=BULK_OPS,
+               bulk_budget=_events_of, bulk_group_budget=settings.writer_group_events,
+               rider_budget=GATE_RIDER_EVENTS, split=_split_events, join=_join_stored)
     rate_singles()  # what the last tick did not reach
-    store.close()  # everything into the file first, so the exporter's last round ships it
+    try:
+        store.close()  # everything into the file first, so the exporter's last round ships it
+    except StorageUnavailable as exc:
+        log.error("the operational file refuses the journal's last rows; they stay in the journal"
+                  " and are applied at the next start: %s", exc)
     stop.set()
     exporter_thread.join(timeout=5)
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -19,6 +20,7 @@ from prometheus_client.registry import Collector
 from core.metrics import rss_family, write_registry
 from warehouse.export import STREAMS, LakeExporter
 from warehouse.journal import JournaledStore
+from warehouse.writer import LoopStatus
 
 __all__ = ["WriterMetrics"]
 
@@ -44,6 +46,21 @@ class _StateCollector(Collector):
         yield CounterMetricFamily("tollgate_journal_apply_failures",
                                   "Failed applies of journaled groups to the operational file",
                                   value=store.apply_failures)
+        yield GaugeMetricFamily("tollgate_journal_unapplied_rows",
+                                "Acknowledged rows not yet in the operational file",
+                                value=store.unapplied_rows)
+        yield GaugeMetricFamily("tollgate_journal_backlog_limit_rows",
+                                "Unapplied rows past which writes are refused while the file refuses them",
+                                value=store.max_backlog_rows)
+        failing = store.failing_since
+        yield GaugeMetricFamily("tollgate_storage_failing_seconds",
+                                "Seconds since the operational file began refusing writes (0: it takes them)",
+                                value=0.0 if failing is None else max(0.0, time.monotonic() - failing))
+        status = self.owner.status
+        if status is not None:
+            yield CounterMetricFamily("tollgate_writer_refused_ops",
+                                      "Ops answered 503 before being decided, while storage refused writes",
+                                      value=status.refused_ops)
         yield CounterMetricFamily("tollgate_writer_group_failures",
                                   "Groups that could not be committed (their ops answered 503)",
                                   value=self.owner.group_failures)
@@ -76,26 +93,39 @@ class _StateCollector(Collector):
 
 class WriterMetrics:
     def __init__(self, store: JournaledStore, path: Path,
-                 exporter: LakeExporter | None = None) -> None:
+                 exporter: LakeExporter | None = None, status: LoopStatus | None = None) -> None:
         self.store = store
         self.exporter = exporter
+        self.status = status
         self.path = path
         self.group_failures = 0
         self.registry = CollectorRegistry(auto_describe=False)
-        self.group_ops = Histogram("tollgate_writer_group_ops", "Ops per group commit",
+        self.group_ops = Histogram("tollgate_writer_group_ops", "Ops per group commit", ["lane"],
                                    buckets=GROUP_OPS_BUCKETS, registry=self.registry)
         self.group_seconds = Histogram(
             "tollgate_writer_group_seconds",
-            "Time of a group: its ops decided, its rows journaled and synced",
+            "Time of a group: its ops decided, its rows journaled and synced", ["lane"],
+            buckets=GROUP_SECONDS_BUCKETS, registry=self.registry)
+        self.commit_seconds = Histogram(
+            "tollgate_writer_commit_seconds",
+            "The commit's part of a group's time: its rows appended to the journal and synced",
             buckets=GROUP_SECONDS_BUCKETS, registry=self.registry)
         self.registry.register(_StateCollector(self))
-        self._observe_ops = self.group_ops.observe
-        self._observe_seconds = self.group_seconds.observe
+        # Per lane, the two bound children (labels() takes a lock each time).
+        self._lanes: dict[str, tuple[Any, Any]] = {}
+        self._observe_commit = self.commit_seconds.observe
 
-    def on_group(self, ops: int, seconds: float, committed: bool) -> None:
-        self._observe_ops(ops)
-        self._observe_seconds(seconds)
-        if not committed:
+    def on_group(self, lane: str, ops: int, seconds: float, commit_seconds: float,
+                 committed: bool) -> None:
+        children = self._lanes.get(lane)
+        if children is None:
+            children = self._lanes[lane] = (self.group_ops.labels(lane).observe,
+                                            self.group_seconds.labels(lane).observe)
+        children[0](ops)
+        children[1](seconds)
+        if committed:
+            self._observe_commit(commit_seconds)
+        else:
             self.group_failures += 1
 
     def write(self) -> None:

@@ -16,6 +16,7 @@ import msgspec
 from warehouse.outbox import EventRecord, Stored
 
 __all__ = [
+    "BULK_OPS",
     "COMMIT_FIELDS_KEPT",
     "OPS",
     "RESULT_TYPES",
@@ -202,6 +203,9 @@ class StandingOp(msgspec.Struct, tag="standing", array_like=True, frozen=True):
     principal_id: str | None
 
 
+# The ops of the ingest lane: the writer commits them in groups of their own, after the gate's
+# waiting ops (`warehouse.writer.run_writer`); every other op is the gate's.
+BULK_OPS: tuple[type, ...] = (IngestOp,)
 OPS = IngestOp | AuthorizeOp | CommitOp | CancelOp | RecordOutcomeOp | CommitBatchOp | UsageOp | StandingOp
 # What each op's outcome decodes as, on the HTTP process's side of the socket.
 RESULT_TYPES: dict[type, Any] = {op: op.result_type for op in OPS.__args__}

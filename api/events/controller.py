@@ -7,13 +7,14 @@ input order. An answer is sent only once the event is committed to the operation
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 from litestar import Controller, Request, post
 
 from api.envelope import Reply, ok
 from api.errors import AppError, BadRequest, Unprocessable
+from api.events.prepare import UNDECODABLE, Prepared, reason
 from api.events.views import event_view, item_view, to_record
 from api.requests import read_signed
 from api.runtime import Runtime
@@ -24,41 +25,26 @@ from writer.ops import IngestOp
 __all__ = ["EventsController", "record_event", "record_event_batch"]
 
 
-class _BatchIn(msgspec.Struct):
-    events: list[msgspec.Raw] | None = None
-
-
-
-_decode_batch = msgspec.json.Decoder(_BatchIn).decode
-
-
 def _errors(found: list[FieldError]) -> list[dict[str, Any]]:
     return [msgspec.structs.asdict(e) for e in found]
 
 
-# What decoding a client's body can raise: msgspec raises UnicodeDecodeError (not a
-# DecodeError) for a string that is not valid UTF-8, and RecursionError past its depth limit.
-_UNDECODABLE = (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeDecodeError)
-
-
-def _reason(exc: Exception) -> str:
-    if isinstance(exc, RecursionError):
-        return "nested too deeply"
-    if isinstance(exc, UnicodeDecodeError):
-        return "not valid UTF-8"
-    return str(exc)
-
-
 def _malformed(exc: Exception) -> BadRequest:
-    return BadRequest("VALIDATION.MALFORMED_JSON", f"body is not a JSON object: {_reason(exc)}")
+    return BadRequest("VALIDATION.MALFORMED_JSON", f"body is not a JSON object: {reason(exc)}")
 
 
-async def _event_call(request: Any) -> tuple[Runtime, bytes, Realm, str]:
+async def _event_call(runtime: Runtime, request: Any) -> tuple[bytes, Realm, str]:
     """Every event call: the raw body, its signature, and the account of the context."""
-    runtime: Runtime = request.app.state.runtime
     ctx, body = await read_signed(runtime, request)
     realm, account = runtime.account_of_event_call(ctx)
-    return runtime, body, realm, account
+    return body, realm, account
+
+
+def _declared_length(request: Any) -> int:
+    for name, value in request.scope["headers"]:
+        if name.lower() == b"content-length":
+            return int(value) if value.isdigit() else 0
+    return 0
 
 
 class EventsController(Controller):
@@ -74,78 +60,59 @@ class EventsController(Controller):
         return await record_event_batch(request)
 
 
-# The handlers, callable with a Litestar request or an `api.direct.DirectRequest`.
+# The handlers, callable with a Litestar request or an `api.direct.DirectRequest`. Each is
+# admitted to the ingest queue first (`Runtime.ingest_admission`): past its bound it is
+# answered 503 STORAGE.BUSY before its body is read.
 async def record_event(request: Any) -> Reply:
-    runtime, body, realm, account = await _event_call(request)
-    try:
-        item = decode_event(body)
-    except _UNDECODABLE as exc:
-        raise _malformed(exc) from None
-    result = validate_event(item, realm=realm.id, billing_account_id=account, now=runtime.clock.now(),
-                            max_future_skew_seconds=realm.settings.max_future_skew_seconds,
-                            floats_normalized=True)
-    if not isinstance(result, ValidEvent):
-        raise Unprocessable("VALIDATION.INVALID_INPUT", "the event is invalid", errors=_errors(result))
-    stored = (await runtime.write(IngestOp(realm.id, "single", [to_record(result)])))[0]
-    return ok(event_view(result, stored), status=201 if stored.accepted else 200)
+    runtime: Runtime = request.app.state.runtime
+    with runtime.ingest_admission(_declared_length(request)) as admitted:
+        body, realm, account = await _event_call(runtime, request)
+        admitted.read(len(body))
+        try:
+            item = decode_event(body)
+        except UNDECODABLE as exc:
+            raise _malformed(exc) from None
+        result = validate_event(item, realm=realm.id, billing_account_id=account, now=runtime.clock.now(),
+                                max_future_skew_seconds=realm.settings.max_future_skew_seconds,
+                                floats_normalized=True)
+        if not isinstance(result, ValidEvent):
+            raise Unprocessable("VALIDATION.INVALID_INPUT", "the event is invalid", errors=_errors(result))
+        stored = (await runtime.write(IngestOp(realm.id, "single", [to_record(result)])))[0]
+        return ok(event_view(result, stored), status=201 if stored.accepted else 200)
 
 
 async def record_event_batch(request: Any) -> Reply:
-    runtime, body, realm, account = await _event_call(request)
-    try:
-        batch = _decode_batch(body)
-    except _UNDECODABLE as exc:
-        if isinstance(exc, msgspec.ValidationError) and "$.events" in str(exc):
-            raise Unprocessable("VALIDATION.INVALID_INPUT", "events must be an array of event objects",
-                                errors=[{"field": "events", "code": "VALIDATION.INVALID_TYPE",
-                                         "message": str(exc)}]) from None
-        raise _malformed(exc) from None
-    items = batch.events
-    limit = runtime.settings.max_batch_items
-    if items is None or not items:
-        raise Unprocessable("VALIDATION.INVALID_INPUT", f"a batch holds 1 to {limit} events",
-                            errors=[{"field": "events", "code": "VALIDATION.REQUIRED",
-                                     "message": "events must hold at least one event"}])
-    if len(items) > limit:
-        raise Unprocessable("VALIDATION.BATCH_TOO_LARGE",
-                            f"a batch holds at most {limit} events, got {len(items)}; nothing was written")
-    now = runtime.clock.now()
-    skew = realm.settings.max_future_skew_seconds
-    results: list[dict[str, Any]] = [{}] * len(items)
-    valid: list[tuple[int, ValidEvent]] = []
-    for index, raw in enumerate(items):
-        try:
-            item = decode_event(raw)
-        except _UNDECODABLE as exc:
-            results[index] = {"index": index, "status": "invalid", "error": {
-                "code": "VALIDATION.INVALID_TYPE",
-                "message": f"an event must be a JSON object of the event's fields ({_reason(exc)})",
-                "field": f"events[{index}]"}}
-            continue
-        found = validate_event(item, realm=realm.id, billing_account_id=account, now=now,
-                               max_future_skew_seconds=skew, floats_normalized=True,
-                               prefix=f"events[{index}].")
-        if isinstance(found, ValidEvent):
-            valid.append((index, found))
-        else:
-            first = found[0]
-            results[index] = {"index": index, "status": "invalid", "error": {
-                "code": first.code,
-                "message": "; ".join(f"{e.field}: {e.message}" for e in found),
-                "field": first.field}}
+    runtime: Runtime = request.app.state.runtime
+    with runtime.ingest_admission(_declared_length(request)) as admitted:
+        body, realm, account = await _event_call(runtime, request)
+        admitted.read(len(body))
+        prepared = await runtime.decoders.prepare(body, realm.id, account, runtime.clock.now(),
+                                                  realm.settings.max_future_skew_seconds,
+                                                  runtime.settings.max_batch_items)
+        if prepared.error is not None:
+            raise AppError.from_wire(prepared.error)
+        return await _store_batch(runtime, realm.id, prepared)
+
+
+async def _store_batch(runtime: Runtime, realm: str, prepared: Prepared) -> Reply:
+    results: list[dict[str, Any] | None] = prepared.results
+    valid = prepared.valid
     if valid:
+        # The records are sent as the decoding process encoded them (see api.events.prepare).
+        records = cast(Any, msgspec.Raw(prepared.records))
         try:
-            stored = await runtime.write(IngestOp(realm.id, "batch", [to_record(v) for _, v in valid]))
+            stored = await runtime.write(IngestOp(realm, "batch", records))
         except AppError as exc:
             if exc.status != 503:
                 raise
-            for index, event in valid:
-                results[index] = item_view(index, event, None, failure=str(exc))
+            for index, event_id, request_hash in valid:
+                results[index] = item_view(index, event_id, request_hash, None, failure=str(exc))
         else:
-            for (index, event), identity in zip(valid, stored, strict=False):
-                results[index] = item_view(index, event, identity)
+            for (index, event_id, request_hash), identity in zip(valid, stored, strict=False):
+                results[index] = item_view(index, event_id, request_hash, identity)
     counts = {"accepted": 0, "duplicate": 0, "invalid": 0, "failed": 0}
     for r in results:
+        assert r is not None
         counts[r["status"]] += 1
     return ok({
         "results": results,

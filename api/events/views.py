@@ -45,11 +45,11 @@ def event_view(event: ValidEvent, stored: Stored) -> dict[str, Any]:
     }
 
 
-def item_view(index: int, event: ValidEvent, stored: Stored | None,
+def item_view(index: int, event_id: str, request_hash: str, stored: Stored | None,
               failure: str | None = None) -> dict[str, Any]:
     if stored is None:
-        return {"index": index, "status": "failed", "event_id": event.event_id,
-                "request_hash": event.request_hash,
+        return {"index": index, "status": "failed", "event_id": event_id,
+                "request_hash": request_hash,
                 "error": {"code": "STORAGE.UNAVAILABLE", "message": failure or "not stored; retry"}}
     return {"index": index, "status": "accepted" if stored.accepted else "duplicate",
-            "event_id": event.event_id, "request_hash": event.request_hash}
+            "event_id": event_id, "request_hash": request_hash}

@@ -1,0 +1,97 @@
+"""The HTTP process's decoding processes: event batches are decoded, validated and hashed there
+(`api.events.prepare`), so that a batch never holds the HTTP loop, and a gate call arriving
+meanwhile is answered at once.
+
+Why processes and not threads: the work is Python (validation, canonical JSON), which holds
+the GIL; in a thread it would still take the loop's turns, about 5 ms at a time (the GIL's
+switch interval). Measured in docs/measurements.md ("The gate next to event ingestion").
+
+The processes run at a lower CPU priority (nice 10): when the cores are short, the HTTP loop
+and the writer, which answer the gate, go first, and batches take what is left. They are
+started with `spawn` (a fork of a process with an event loop and threads is unsafe) and end
+with the HTTP process (PR_SET_PDEATHSIG). A batch smaller than `INLINE_BYTES` is prepared on
+the loop: the trip to a process costs more than the work. If the pool breaks (a process
+killed), a new one is started and the batch is prepared on the loop meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from datetime import datetime
+
+import msgspec
+
+from api.events.prepare import Prepared, prepare_batch, prepare_batch_wire
+
+__all__ = ["INLINE_BYTES", "Decoders"]
+
+log = logging.getLogger("tollgate.api")
+# A body below this is prepared on the loop (a few events: well under a millisecond).
+INLINE_BYTES = 32 * 1024
+_decode_prepared = msgspec.msgpack.Decoder(Prepared).decode
+
+
+def _start_process() -> None:
+    """In each decoding process: lower priority, and end with the HTTP process."""
+    try:
+        os.nice(10)
+    except OSError:
+        pass
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the service, which stops these
+
+
+def _ready() -> int:
+    return os.getpid()
+
+
+class Decoders:
+    """`processes` decoding processes (0: every batch is prepared on the loop)."""
+
+    def __init__(self, processes: int) -> None:
+        self.processes = processes
+        self._pool: ProcessPoolExecutor | None = None
+        self.restarts = 0
+
+    async def start(self) -> None:
+        if self.processes > 0:
+            self._pool = self._new_pool()
+            loop = asyncio.get_running_loop()
+            # Spawn them now (an interpreter start each), not on the first batch.
+            await asyncio.gather(*(loop.run_in_executor(self._pool, _ready) for _ in range(self.processes)))
+
+    def _new_pool(self) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_start_process)
+
+    async def prepare(self, body: bytes, realm: str, account: str, now: datetime, skew: int,
+                      limit: int) -> Prepared:
+        pool = self._pool
+        if pool is None or len(body) < INLINE_BYTES:
+            return prepare_batch(body, realm, account, now, skew, limit)
+        loop = asyncio.get_running_loop()
+        try:
+            wire = await loop.run_in_executor(pool, prepare_batch_wire, body, realm, account, now, skew, limit)
+        except BrokenProcessPool:
+            if self._pool is pool:
+                log.error("a decoding process ended; starting new ones")
+                self.restarts += 1
+                self._pool = self._new_pool()
+                pool.shutdown(wait=False, cancel_futures=True)
+            return prepare_batch(body, realm, account, now, skew, limit)
+        return _decode_prepared(wire)
+
+    def stop(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)

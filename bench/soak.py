@@ -1,0 +1,403 @@
+"""Soak: the service as a user runs it (`tollgate serve`, its defaults, schedules on), driven
+at full batch speed for minutes, then stopped with SIGTERM and started again on the same data.
+
+Every interval it prints the events/s of that interval (and the gate pairs/s with authorize
+p50/p99 when `--gate-clients` is given), each process's RSS, and the sizes in the data folder.
+At the end: the SIGTERM time and exit code, the restart time (until GET /healthz says ready),
+the writer's RSS after the restart, a dedupe check (the first event of the run, and with
+`--preload` the first event of the preloaded history, sent again: both must answer 200
+duplicate) and whether the lake holds every accepted event. The raw limit measured in the same
+run is the in-process decode + validate + hash + DuckDB Arrow insert of the same events
+(`bench.ingest.raw_limit`), which the interval rates are compared with.
+
+    python bench/soak.py [--minutes 10] [--clients 6] [--batch-size 1000] [--interval 30]
+                         [--gate-clients 0] [--preload 0] [--keep DIR]
+
+The targets (docs/measurements.md): the last interval's rate at least 90 % of the first's,
+the writer's RSS at the end within 10 % of minute 2, SIGTERM to exit 0 within 10 s, ready
+within 10 s of a restart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from api.auth import sign_headers  # noqa: E402
+from bench.loopback import ROOT, Connection, free_port, percentile, run  # noqa: E402
+
+REALM = "acme"
+ACCOUNT = "acct_prepaid"
+GATE_ACCOUNT = "acct_soak"
+CLI = [sys.executable, "-m", "cli"]
+
+# The demo catalog, plus an account the gate pairs can spend from for hours.
+SOAK_ACCOUNT = f"""
+[realms.acme.accounts.{GATE_ACCOUNT}]
+funding = "prepaid"
+credit_limit_xusd = "0"
+principals = [{{principals}}]
+
+[[realms.acme.accounts.{GATE_ACCOUNT}.grants]]
+id = "soak"
+amount_xusd = "9000000000000000"
+effective_at = "2026-01-01T00:00:00Z"
+"""
+
+
+def catalog_text(gate_clients: int) -> str:
+    demo = (ROOT / "cli" / "demo" / "catalog.toml").read_text()
+    principals = ", ".join(f'"soak-{i}"' for i in range(max(gate_clients, 1)))
+    return demo + SOAK_ACCOUNT.replace("{principals}", principals)
+
+
+# One batch body with a slot per event for a counter: never-repeated events cost the load
+# generator a string format, not a JSON encode of a thousand objects.
+def batch_template(size: int) -> str:
+    event = ('{"semantic_kind":"activity","event_type":"llm.completion",'
+             '"occurred_at":"2026-11-20T10:%02d:%02dZ","subject_ref":"soak-%d",'
+             '"payload":{"schema":2,"model":"m-large","usage":{"input_tokens":%d,"output_tokens":%d}},'
+             '"labels":{"env":"prod","region":"eu-west"}}')
+    return '{"events":[' + ",".join([event] * size) + "]}"
+
+
+def batch_values(start: int, size: int) -> tuple[int, ...]:
+    values: list[int] = []
+    for i in range(start, start + size):
+        values += (i // 60 % 60, i % 60, i, 1000 + i % 977, 200 + i % 311)
+    return tuple(values)
+
+
+def first_event(start: int) -> bytes:
+    body = batch_template(1) % batch_values(start, 1)
+    return json.dumps(json.loads(body)["events"][0]).encode()
+
+
+# ---- the processes -----------------------------------------------------------------------
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        tree.setdefault(ppid, []).append(int(entry.name))
+    return tree
+
+
+def _role(pid: int) -> str:
+    try:
+        argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    text = b" ".join(argv).decode(errors="replace")
+    for module, role in (("writer.host", "writer"), ("flows.scheduler", "scheduler"),
+                         ("flows.prefect_api", "prefect-api"), ("multiprocessing", "mp")):
+        if module in text:
+            return role
+    return "http" if " serve" in text or "uvicorn" in text else "flow"
+
+
+def rss_by_role(root: int) -> dict[str, float]:
+    """MiB of resident memory of `root` and its descendants, summed per role."""
+    tree = _children()
+    out: dict[str, float] = {}
+    stack = [root]
+    while stack:
+        pid = stack.pop()
+        stack.extend(tree.get(pid, []))
+        try:
+            for line in (Path("/proc") / str(pid) / "status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    role = _role(pid)
+                    out[role] = out.get(role, 0.0) + int(line.split()[1]) / 1024
+        except OSError:
+            continue
+    return out
+
+
+def sizes(data_dir: Path) -> dict[str, float]:
+    """MiB per top-level entry of the data folder (operational file and WAL apart)."""
+    out: dict[str, float] = {}
+    for entry in data_dir.iterdir():
+        if entry.is_file():
+            total = entry.stat().st_size
+        else:
+            total = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
+        out[entry.name] = total / 2**20
+    return out
+
+
+def _fmt(values: dict[str, float], floor: float = 1.0) -> str:
+    return " ".join(f"{k}={v:,.0f}" for k, v in sorted(values.items()) if v >= floor)
+
+
+# ---- the service ---------------------------------------------------------------------------
+class Service:
+    def __init__(self, data_dir: Path, port: int) -> None:
+        self.data_dir = data_dir
+        self.port = port
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 600) -> float:
+        """Start `tollgate serve`; the seconds until GET /healthz says ready."""
+        log = open(self.data_dir.parent / "serve.log", "ab")  # noqa: SIM115 (the child holds it)
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen([*CLI, "serve", "--port", str(self.port), "--data-dir",
+                                      str(self.data_dir)], stdout=log, stderr=log, cwd=ROOT)
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tollgate serve exited with {self.proc.returncode};"
+                                   f" see {self.data_dir.parent / 'serve.log'}")
+            if self.ready():
+                return time.monotonic() - t0
+            time.sleep(0.05)
+        raise RuntimeError("the service did not become ready")
+
+    def ready(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                return b" 200 " in s.recv(200)
+        except OSError:
+            return False
+
+    def stop(self, timeout: float = 30) -> tuple[float, int | None]:
+        """SIGTERM; the seconds until the process exited and its code (None: killed)."""
+        assert self.proc is not None
+        t0 = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            code: int | None = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            code = None
+        return time.monotonic() - t0, code
+
+
+def make_folder(root: Path, gate_clients: int) -> tuple[Path, dict[str, str]]:
+    data_dir = root / "data"
+    catalog = root / "catalog.toml"
+    catalog.write_text(catalog_text(gate_clients))
+    subprocess.run([*CLI, "catalog", "apply", str(catalog), "--data-dir", str(data_dir)],
+                   check=True, capture_output=True, cwd=ROOT)
+    key = json.loads(subprocess.run([*CLI, "keys", "create", "--realm", REALM, "--data-dir",
+                                     str(data_dir)], check=True, capture_output=True, text=True,
+                                    cwd=ROOT).stdout)
+    return data_dir, key
+
+
+# ---- load ----------------------------------------------------------------------------------
+class Load:
+    def __init__(self, port: int, key: dict[str, str], batch_size: int) -> None:
+        self.port = port
+        self.key = key
+        self.batch_size = batch_size
+        self.template = batch_template(batch_size)
+        self.next = 0
+        self.events = 0
+        self.refused = 0
+        self.pairs = 0
+        self.auth_lat: list[float] = []
+        self.stop = False
+
+    def signed(self, path: str, body: bytes, **who: str) -> dict[str, str]:
+        return sign_headers(key_id=self.key["key_id"], secret=self.key["secret"], method="POST",
+                            path=path, body=body, realm=REALM, **who)
+
+    async def batches(self) -> None:
+        conn = await Connection.open(self.port)
+        path = "/mgt/v1/events/batch"
+        while not self.stop:
+            start, self.next = self.next, self.next + self.batch_size
+            body = (self.template % batch_values(start, self.batch_size)).encode()
+            status, reply = await conn.request("POST", path, self.signed(
+                path, body, billing_account_id=ACCOUNT), body)
+            if status == 207:
+                self.events += self.batch_size
+            else:
+                self.refused += self.batch_size
+                await asyncio.sleep(0.2)
+        conn.close()
+
+    async def gate(self, principal: str) -> None:
+        conn = await Connection.open(self.port)
+        auth = b'{"feature_code":"llm.chat","estimated_quantity_minor":"3"}'
+        while not self.stop:
+            t0 = time.perf_counter()
+            status, reply = await conn.request("POST", "/mgt/v1/gate/authorize", self.signed(
+                "/mgt/v1/gate/authorize", auth, principal_id=principal), auth)
+            t1 = time.perf_counter()
+            if status != 200:
+                await asyncio.sleep(0.2)
+                continue
+            token = json.loads(reply)["data"]["lease_token"]
+            body = json.dumps({"lease_token": token, "feature_code": "llm.chat",
+                               "quantity_minor": "2"}).encode()
+            status, _ = await conn.request("POST", "/mgt/v1/gate/commits", self.signed(
+                "/mgt/v1/gate/commits", body, principal_id=principal), body)
+            if status == 200:
+                self.pairs += 1
+                self.auth_lat.append(t1 - t0)
+        conn.close()
+
+
+async def drive(service: Service, load: Load, args: argparse.Namespace,
+                rows: list[dict[str, Any]]) -> None:
+    tasks = [asyncio.create_task(load.batches()) for _ in range(args.clients)]
+    tasks += [asyncio.create_task(load.gate(f"soak-{i}")) for i in range(args.gate_clients)]
+    t0 = last_t = time.monotonic()
+    last_events = last_pairs = 0
+    end = t0 + args.minutes * 60
+    assert service.proc is not None
+    while time.monotonic() < end:
+        await asyncio.sleep(min(args.interval, max(0.0, end - time.monotonic())))
+        now = time.monotonic()
+        span = now - last_t
+        lat = sorted(load.auth_lat)
+        load.auth_lat = []
+        row = {"t": now - t0, "events_s": (load.events - last_events) / span,
+               "pairs_s": (load.pairs - last_pairs) / span, "stored": load.events,
+               "auth_p50": percentile(lat, 0.5) * 1e3, "auth_p99": percentile(lat, 0.99) * 1e3,
+               "rss": rss_by_role(service.proc.pid), "sizes": sizes(service.data_dir)}
+        rows.append(row)
+        gate = (f" pairs/s={row['pairs_s']:,.0f} auth p50/p99={row['auth_p50']:.1f}/"
+                f"{row['auth_p99']:.1f} ms" if args.gate_clients else "")
+        print(f"t={row['t']:5.0f}s events/s={row['events_s']:,.0f} stored={load.events:,}{gate}"
+              f" | RSS MiB {_fmt(row['rss'])} | data MiB {_fmt(row['sizes'])}", flush=True)
+        last_t, last_events, last_pairs = now, load.events, load.pairs
+    load.stop = True
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def single(port: int, load: Load, body: bytes) -> tuple[int, dict[str, Any]]:
+    conn = await Connection.open(port)
+    try:
+        status, reply = await conn.request("POST", "/mgt/v1/events", load.signed(
+            "/mgt/v1/events", body, billing_account_id=ACCOUNT), body)
+    finally:
+        conn.close()
+    return status, json.loads(reply)
+
+
+def lake_count(data_dir: Path) -> int | None:
+    out = subprocess.run([*CLI, "sql", "--format", "json", "--data-dir", str(data_dir),
+                          "SELECT count(*) AS n FROM events"], capture_output=True, text=True,
+                         cwd=ROOT)
+    if out.returncode != 0:
+        return None
+    return int(json.loads(out.stdout)[0]["n"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=10)
+    parser.add_argument("--clients", type=int, default=6, help="connections posting batches")
+    parser.add_argument("--batch-size", type=int, default=1000)
+    parser.add_argument("--gate-clients", type=int, default=0,
+                        help="connections running authorize+commit pairs beside the batches")
+    parser.add_argument("--interval", type=float, default=30, help="seconds between reports")
+    parser.add_argument("--preload", type=int, default=0,
+                        help="events written straight into the stores before the run")
+    parser.add_argument("--keep", type=Path, default=None, help="keep the data folder here")
+    args = parser.parse_args(argv)
+
+    root = args.keep or Path(tempfile.mkdtemp(prefix="tollgate-soak-"))
+    root.mkdir(parents=True, exist_ok=True)
+    data_dir, key = make_folder(root, args.gate_clients)
+    service = Service(data_dir, free_port())
+    print(f"nproc={os.cpu_count()} python={sys.version.split()[0]} minutes={args.minutes:g}"
+          f" clients={args.clients} batch={args.batch_size} gate_clients={args.gate_clients}"
+          f" preload={args.preload:,} workers={os.environ.get('TOLLGATE_WORKERS', 'default')}",
+          flush=True)
+
+    from bench.ingest import raw_limit
+
+    raw_bodies = [(batch_template(args.batch_size) % batch_values(10**12 + i * args.batch_size,
+                                                                  args.batch_size)).encode()
+                  for i in range(30)]
+    raw = raw_limit(raw_bodies)
+    print(f"raw limit (in-process decode+validate+hash+Arrow insert, same events): {raw:,.0f} events/s",
+          flush=True)
+
+    preloaded: dict[str, Any] | None = None
+    if args.preload:
+        service.start()
+        service.stop()
+        from bench.preload import preload  # written straight into the stores
+
+        t0 = time.monotonic()
+        preloaded = preload(data_dir, args.preload)
+        print(f"preloaded {args.preload:,} events in {time.monotonic() - t0:,.0f} s", flush=True)
+
+    first_start = service.start()
+    assert service.proc is not None
+    print(f"ready after {first_start:.1f} s; RSS MiB {_fmt(rss_by_role(service.proc.pid))}",
+          flush=True)
+    load = Load(service.port, key, args.batch_size)
+    rows: list[dict[str, Any]] = []
+    try:
+        run(drive(service, load, args, rows))
+        stop_s, code = service.stop()
+        print(f"SIGTERM: exited in {stop_s:.1f} s with {'SIGKILL (did not exit)' if code is None else code}",
+              flush=True)
+        restart = service.start()
+        rss_at = {}
+        for after in (0.0, 20.0):
+            time.sleep(after)
+            rss_at[after] = rss_by_role(service.proc.pid)
+        print(f"restart: ready after {restart:.1f} s; RSS MiB at ready {_fmt(rss_at[0.0])};"
+              f" 20 s later {_fmt(rss_at[20.0])}", flush=True)
+        status, reply = run(single(service.port, load, first_event(0)))
+        print(f"dedupe: first event of the run sent again -> {status}"
+              f" {'duplicate' if status == 200 else reply.get('code')}", flush=True)
+        if preloaded is not None:
+            body = json.dumps(preloaded["first_event"]).encode()
+            status, reply = run(single(service.port, load, body))
+            print(f"dedupe: first event of the preloaded history sent again -> {status}"
+                  f" {'duplicate' if status == 200 else reply.get('code')}", flush=True)
+        expected = load.events + (args.preload or 0)
+        deadline = time.monotonic() + 300
+        count = lake_count(data_dir)
+        while count != expected and time.monotonic() < deadline:
+            time.sleep(5)
+            count = lake_count(data_dir)
+        print(f"lake: {count:,} events of {expected:,} accepted"
+              f" ({'none lost' if count == expected else 'MISSING'}); refused {load.refused:,}",
+              flush=True)
+    finally:
+        if service.proc is not None and service.proc.poll() is None:
+            service.stop()
+    if rows:
+        first, last = rows[0], rows[-1]
+        minute2 = next((r for r in rows if r["t"] >= 120), rows[0])
+        w2, wl = minute2["rss"].get("writer", 0.0), last["rss"].get("writer", 0.0)
+        print(f"summary: first interval {first['events_s']:,.0f} events/s ({first['events_s'] / raw:.0%}"
+              f" of raw), last {last['events_s']:,.0f} ({last['events_s'] / max(first['events_s'], 1):.0%}"
+              f" of the first; target >= 90%); writer RSS {w2:,.0f} MiB at {minute2['t']:.0f} s,"
+              f" {wl:,.0f} MiB at the end ({wl / max(w2, 1) - 1:+.0%}; target within 10%);"
+              f" stop {stop_s:.1f} s (target <= 10 s, exit 0); restart {restart:.1f} s (target <= 10 s)")
+    if args.keep is None:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
