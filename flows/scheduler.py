@@ -58,7 +58,12 @@ def _end_with_parent(parent_pid: int | None) -> None:
 
 
 def _exit(signum: int, frame: FrameType | None) -> None:
+    if _parent_gone():
+        log.info(ORPHANED)
     _leave()
+
+
+ORPHANED = "the service is gone: the scheduler stopped by a signal; its work is left to the next run"
 
 
 # Set when the service asks this process to stop through its standard input (`--stop-on-eof`).
@@ -88,7 +93,7 @@ def _leave() -> None:
 # How long the main thread has, after the service is gone, to end through its signal
 # handler before the thread that saw standard input end ends the process itself (the handler
 # runs only between bytecodes, so a query under way in native code would hold it).
-ORPHAN_GRACE_SECONDS = 2.0
+ORPHAN_GRACE_SECONDS = 2.5
 
 
 def _stop_on_eof() -> None:
@@ -110,6 +115,7 @@ def _stop_on_eof() -> None:
     else:
         return  # the service is there: it stops this process (SIGTERM, then its session)
     time.sleep(ORPHAN_GRACE_SECONDS)
+    log.info(ORPHANED)
     logging.shutdown()
     os._exit(0)
 

@@ -111,6 +111,9 @@ class LakeExporter:
         self.failures = 0
         self.caught_up_at = time.time()  # start of the last round that left nothing behind
         self.events_exported_at = 0.0  # when the last round that shipped events committed
+        # Held while this exporter uses the operational file; the file's checkpoint takes it
+        # too (`warehouse.retention`), so it never meets one of this thread's transactions.
+        self.op_lock = threading.Lock()
 
     # ---- one round -------------------------------------------------------------------
     def export_once(self, op_conn: duckdb.DuckDBPyConnection) -> dict[str, int]:
@@ -136,12 +139,13 @@ class LakeExporter:
     def _round(self, op_conn: duckdb.DuckDBPyConnection) -> dict[str, int]:
         began = time.time()
         lake = self._lake_connection()
-        marks = self._read_watermarks(op_conn)
-        for stream in STREAMS:
-            if stream not in self._reconciled:
-                marks[stream] = self._reconcile(op_conn, lake, marks[stream])
-                self._reconciled.add(stream)
-        batches = [b for b in (self._read_batch(op_conn, marks[s]) for s in STREAMS) if b is not None]
+        with self.op_lock:
+            marks = self._read_watermarks(op_conn)
+            for stream in STREAMS:
+                if stream not in self._reconciled:
+                    marks[stream] = self._reconcile(op_conn, lake, marks[stream])
+                    self._reconciled.add(stream)
+            batches = [b for b in (self._read_batch(op_conn, marks[s]) for s in STREAMS) if b is not None]
         self.behind = any(b.full for b in batches)
         counts = {s: 0 for s in STREAMS}
         if not batches:
@@ -151,7 +155,8 @@ class LakeExporter:
         labels_select = self._labels_query(op_conn)
         now = self.clock.now()
         with_lake_retry(lambda: self._write_lake(lake, batches, labels_select, now))
-        self._advance_watermarks(op_conn, batches, now)
+        with self.op_lock:
+            self._advance_watermarks(op_conn, batches, now)
         behind = dict(counts)
         for batch in batches:
             counts[batch.stream] = batch.rows.num_rows
@@ -159,9 +164,12 @@ class LakeExporter:
             if batch.stream == "events":
                 self.events_exported_at = time.time()
             if batch.full:  # only then is a count worth its query
-                row = op_conn.execute(f"SELECT count(*) FROM {batch.stream} WHERE seq > ?",
-                                      [batch.to_seq]).fetchone()
-                behind[batch.stream] = int(row[0]) if row else 0
+                with self.op_lock:
+                    # fetchall: a result left open holds its transaction, and the file's
+                    # checkpoint waits for every transaction (`warehouse.retention`).
+                    rows = op_conn.execute(f"SELECT count(*) FROM {batch.stream} WHERE seq > ?",
+                                           [batch.to_seq]).fetchall()
+                behind[batch.stream] = int(rows[0][0]) if rows else 0
         self.rows_behind = behind
         if not self.behind:
             self.caught_up_at = began

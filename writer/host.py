@@ -210,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     clock = SYSTEM_CLOCK
     gate = GateBook(lambda: catalog.current, clock, index)
     gate.rebuild(conn)
+    exporter = LakeExporter(settings.data_dir)
     retention = Retention(folder.operational, settings.operational_window_seconds,
-                          index.durable_watermark, clock=clock)
+                          index.durable_watermark, clock=clock, exporter_lock=exporter.op_lock)
 
     def upkeep(c: Any) -> None:
         # On the applier's thread, after a batch is applied or now and then when idle.
@@ -265,7 +266,6 @@ def main(argv: list[str] | None = None) -> int:
             rate_singles(RATE_STEP)
 
     ticks = 0
-    exporter = LakeExporter(settings.data_dir)
     metrics = WriterMetrics(store, folder.metrics / "writer.prom", exporter, status) \
         if settings.metrics_on else None
 
@@ -300,6 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     greeting = len(hello).to_bytes(4, "big") + hello
     sock.sendall(greeting)
     listener = socket.socket(fileno=args.listen_fd) if args.listen_fd is not None else None
+    # The statements above leave their last result open on this connection, and with it a
+    # transaction that no checkpoint of the file gets past (the loop may not use this
+    # connection again for hours): close it.
+    conn.execute("SELECT 1").fetchall()
     # The lake export runs beside the writer loop on a cursor of its own, so lake commits
     # never hold up a group.
     stop = threading.Event()

@@ -135,8 +135,8 @@ class InlineRater:
             found = conn.execute(
                 "SELECT greatest((SELECT coalesce(max(seq), 0) FROM inline_ratings), (SELECT "
                 "coalesce(max(last_seq), 0) FROM export_watermarks WHERE stream = 'inline_ratings'))"
-            ).fetchone()
-            self._seq = int(found[0]) if found else 0
+            ).fetchall()  # read to its end: an open result holds its transaction
+            self._seq = int(found[0][0]) if found else 0
         first = self._seq
         self._seq = first + len(rows)
         return [(first + i, *row) for i, row in enumerate(rows, 1)]

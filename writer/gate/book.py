@@ -261,7 +261,9 @@ class GateBook:
                     (idempotency_digest(realm, principal, endpoint, key), sha,
                      int(stored_at.timestamp() * 1_000_000), reply)
                     for realm, principal, endpoint, key, sha, reply, stored_at in records)
-            conn.execute("DELETE FROM idempotency")
+            # Fetched: a result left pending keeps its write transaction open, and no
+            # checkpoint of the file could run until the connection's next statement.
+            conn.execute("DELETE FROM idempotency").fetchall()
         else:
             for realm, principal, endpoint, key, sha, reply, stored_at in records:
                 outcome = msgspec.msgpack.decode(reply, type=GateOutcome)
