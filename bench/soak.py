@@ -108,10 +108,11 @@ def _role(pid: int) -> str:
         return "?"
     text = b" ".join(argv).decode(errors="replace")
     for module, role in (("writer.host", "writer"), ("flows.scheduler", "scheduler"),
-                         ("flows.prefect_api", "prefect-api"), ("multiprocessing", "mp")):
+                         ("flows.prefect_api", "prefect-api"), ("api.worker", "http"),
+                         ("multiprocessing", "decoders"), (" serve", "parent")):
         if module in text:
             return role
-    return "http" if " serve" in text or "uvicorn" in text else "flow"
+    return "flow"
 
 
 def rss_by_role(root: int) -> dict[str, float]:
