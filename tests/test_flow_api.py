@@ -27,8 +27,11 @@ from tests.conftest import (
 pytestmark = [pytest.mark.prefect, pytest.mark.lake,
               pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")]
 
-# A run with nothing to do takes 3-4 s on an idle machine; the bound leaves room for a busy one.
-QUICK = 10.0
+# A run with nothing to do takes 3-4 s on an idle machine. That the kept API served it is
+# checked by its record (the same pid and address); the time bound only catches a run gone
+# badly wrong, so it leaves room for a machine whose two cores run other work too (11.9 and
+# 18.6 s were seen at a load average of 12).
+QUICK = 30.0
 
 
 @pytest.fixture(scope="module")
