@@ -34,7 +34,8 @@ import ctypes.util
 import functools
 from collections.abc import Mapping
 
-__all__ = ["environment", "release_process_memory", "settle_process_memory"]
+__all__ = ["environment", "release_process_memory", "settle_process_memory",
+           "settle_writer_memory"]
 
 # glibc's mallopt parameters, and prctl's switch for transparent huge pages.
 _M_TRIM_THRESHOLD = -1
@@ -85,6 +86,21 @@ def settle_process_memory() -> None:
         libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
         libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
         libc.mallopt(_M_ARENA_MAX, 1)
+
+
+def settle_writer_memory(arenas: int = 2) -> None:
+    """The writer process's side of the same: unlike a flow it runs for months and must stay
+    under its ceiling (TOLLGATE_WRITER_MEMORY), so it keeps nothing it freed. Arrow's
+    buffers (the journal applier's inserts, the exporter) go to glibc's heap rather than to
+    Arrow's own mimalloc pool, which kept what it freed; glibc makes at most `arenas` arenas,
+    so the applier's and the exporter's threads share heaps that `release_process_memory`
+    (called on the writer's tick) gives back. Called first thing, before the threads start."""
+    import pyarrow as pa
+
+    pa.set_memory_pool(pa.system_memory_pool())
+    libc = _libc()
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(_M_ARENA_MAX, arenas)
 
 
 def release_process_memory() -> None:
