@@ -64,6 +64,7 @@ def _exit(signum: int, frame: FrameType | None) -> None:
 
 
 ORPHANED = "the service is gone: the scheduler stopped by a signal; its work is left to the next run"
+STOPPING = "the service is stopping: the scheduler stopped by a signal; its work is left to the next run"
 
 
 # Set when the service asks this process to stop through its standard input (`--stop-on-eof`).
@@ -90,32 +91,28 @@ def _leave() -> None:
     sys.exit(0)
 
 
-# How long the main thread has, after the service is gone, to end through its signal
-# handler before the thread that saw standard input end ends the process itself (the handler
-# runs only between bytecodes, so a query under way in native code would hold it).
-ORPHAN_GRACE_SECONDS = 2.5
+# How long the flow under way has, once the service closed standard input, to stop by its own
+# path (its log line, then `_leave`) before the thread that saw the input end ends the process
+# itself: the signal handler runs only between bytecodes, so a query in native code holds it,
+# and Prefect's handling of a stopped run (state reports to its API) took over 8 s on a busy
+# machine, past the service's stop budget.
+STOP_GRACE_SECONDS = 4.0
 
 
 def _stop_on_eof() -> None:
     """Wait for the end of standard input, which the service closes when it stops (or dies):
     then stop, interrupting the DuckDB query under way, which would otherwise hold the
-    SIGTERM that comes with it until the query ends (seconds, mid-sweep). If the service is
-    gone and the process still runs after a short grace, end it from here."""
+    SIGTERM that comes with it until the query ends (seconds, mid-sweep). If the process
+    still runs after a short grace, end it from here: every lake write is one transaction
+    and the run's work is left to the next run."""
     while sys.stdin.buffer.read(4096):
         pass
     _STOP.set()
     workspace = sys.modules.get("flows.workspace")  # not imported: no flow has run, no lake
     if workspace is not None:
         workspace.interrupt_open_lakes()
-    deadline = time.monotonic() + ORPHAN_GRACE_SECONDS
-    while time.monotonic() < deadline:
-        time.sleep(0.1)
-        if _parent_gone():
-            break
-    else:
-        return  # the service is there: it stops this process (SIGTERM, then its session)
-    time.sleep(ORPHAN_GRACE_SECONDS)
-    log.info(ORPHANED)
+    time.sleep(STOP_GRACE_SECONDS)
+    log.info(ORPHANED if _parent_gone() else STOPPING)
     logging.shutdown()
     os._exit(0)
 
