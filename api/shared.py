@@ -26,7 +26,7 @@ import math
 import socket
 import struct
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -93,32 +93,34 @@ class StateBook:
             self.nonce_log.close()
 
 
-class SharedState:
+class SharedState(Protocol):
     """What a worker asks; the answers of `StateBook`."""
 
     async def first_use(self, key_id: str, nonce: str, signed_at: float) -> bool:
-        raise NotImplementedError
+        ...
 
     async def seen(self, key_id: str, nonce: str) -> bool:
-        raise NotImplementedError
+        ...
 
     async def admit(self, plan: RatePlan, stamp: float) -> tuple[int, int] | None:
-        raise NotImplementedError
+        ...
 
     async def used(self, plan: RatePlan, stamp: float) -> list[int]:
-        raise NotImplementedError
+        ...
 
     async def acquire(self, scope: Scope) -> bool:
-        raise NotImplementedError
+        ...
 
     async def release(self, scope: Scope) -> None:
-        raise NotImplementedError
+        ...
 
     async def tick(self) -> None:
-        """Every second: sync what must reach the disk."""
+        """Every second: sync what must reach the disk (nothing, unless a state keeps some)."""
+        return None
 
     def close(self) -> None:
-        """At the end of the process."""
+        """At the end of the process (nothing to release, unless a state holds something)."""
+        return None
 
 
 class LocalState(SharedState):
