@@ -1,7 +1,7 @@
 """The writer's disk-backed index: every stored event id, forever, and the idempotency records
 of the last 24 hours, in a RocksDB store under `<data>/index/` with a bounded block cache.
 
-Content dedupe has no expiry (docs/api.md), so the set of stored event ids grows
+Content dedupe has no expiry (docs/api.md, POST /mgt/v1/events), so the set of stored event ids grows
 with history. Held in a Python set it cost ~70 bytes an event in RAM and a full scan of the
 events table at every start; here an id costs about 24-28 bytes on disk (its value included,
 LZ4-compressed) and a Bloom filter of 10 bits an id held in memory (~60 MB at 50 M events),
