@@ -318,6 +318,8 @@ class OneWriteHttpToolsProtocol(HttpToolsProtocol):
         self._unset_keepalive_if_required()
         try:
             self.transport.write_eof()
+        # A transport that cannot half-close (asyncio's SSL transport raises
+        # NotImplementedError), or one already closing: close it outright.
         except (OSError, RuntimeError, NotImplementedError):
             self.transport.close()
             return
