@@ -20,7 +20,7 @@ from pipelines.catalog import load_catalog
 from tests.conftest import FIXTURES, Service, processes_of
 from warehouse.event_index import EventIndex
 from warehouse.lake import connect_lake
-from warehouse.operational import open_operational
+from warehouse.operational import MIGRATIONS, open_operational, schema_version
 from warehouse.writer import Transaction
 from writer.gate.book import GateBook
 from writer.ops import AuthorizeOp, IdemKey
@@ -304,4 +304,36 @@ def test_ended_leases_live_on_disk_behind_a_bounded_cache_for_a_week(
     assert commit(firsts[5][0]).code == "LEASE.NOT_FOUND"  # type: ignore[attr-defined]
 
     index.close()
+    conn.close()
+
+
+def test_a_file_from_before_migration_5_keeps_its_events_and_loses_the_events_key(tmp_path: Path) -> None:
+    """Migration 5 drops `events.event_id`'s primary key (the event index dedupes): a file
+    made by migrations 1-4 keeps every row and its labels view, and takes a repeated id."""
+    path = tmp_path / "op.duckdb"
+    conn = duckdb.connect(str(path))
+    conn.execute("CREATE TABLE schema_migrations "
+                 "(version INTEGER PRIMARY KEY, applied_at TIMESTAMPTZ NOT NULL DEFAULT now())")
+    for version, sql in MIGRATIONS[:4]:
+        conn.execute(sql)
+        conn.execute("INSERT INTO schema_migrations (version) VALUES (?)", [version])
+    row = ("r", "acct", "h", "usage", "api.call", "2026-01-01 00:00:00+00", None, "{}",
+           '{"team": "a"}', "2026-01-01 00:00:00+00", "single")
+    for seq in (1, 2):
+        conn.execute("INSERT INTO events VALUES (?, gen_random_uuid(), ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                     [seq, *row])
+    with pytest.raises(duckdb.ConstraintException):
+        conn.execute("INSERT INTO events SELECT 3, event_id, * EXCLUDE (seq, event_id) "
+                     "FROM events WHERE seq = 1")
+    conn.close()
+
+    conn = open_operational(path)
+    assert schema_version(conn) == len(MIGRATIONS)
+    assert conn.execute("SELECT list(seq ORDER BY seq) FROM events").fetchone() == ([1, 2],)
+    assert conn.execute("SELECT count(*) FROM duckdb_constraints() WHERE table_name = 'events' "
+                        "AND constraint_type = 'PRIMARY KEY'").fetchone() == (0,)
+    conn.execute("INSERT INTO events SELECT 3, event_id, * EXCLUDE (seq, event_id) "
+                 "FROM events WHERE seq = 1")
+    assert conn.execute("SELECT count(*), list(DISTINCT value_text) FROM event_labels").fetchone() \
+        == (3, ["a"])
     conn.close()

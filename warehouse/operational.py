@@ -238,6 +238,59 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
         INSERT INTO gate_seqs SELECT 'commit_lines', coalesce(max(seq), 0) FROM commit_lines;
         """,
     ),
+    (
+        5,
+        """
+        -- The events table without its primary key. Dedupe is the event index's work
+        -- (`warehouse.event_index`), checked before a row is staged, so the key only cost:
+        -- measured on 6 M rows, its ART index made the file 7 times larger, halved the insert
+        -- rate as it grew, and held memory in proportion to the rows (docs/measurements.md,
+        -- "The events table's key"). Rows are found by seq, which ascends with insertion, so
+        -- DuckDB's zone maps serve those reads without an index.
+        DROP VIEW event_labels;
+        CREATE TABLE events_unkeyed (
+            seq                BIGINT NOT NULL,
+            event_id           UUID NOT NULL,
+            realm              VARCHAR NOT NULL,
+            billing_account_id VARCHAR NOT NULL,
+            request_hash       VARCHAR NOT NULL,
+            semantic_kind      VARCHAR NOT NULL,
+            event_type         VARCHAR NOT NULL,
+            occurred_at        TIMESTAMPTZ NOT NULL,
+            subject_ref        VARCHAR,
+            payload            JSON NOT NULL,
+            labels             JSON NOT NULL,
+            created_at         TIMESTAMPTZ NOT NULL,
+            ingest_path        VARCHAR NOT NULL
+        );
+        INSERT INTO events_unkeyed SELECT * FROM events ORDER BY seq;
+        DROP TABLE events;
+        ALTER TABLE events_unkeyed RENAME TO events;
+        CREATE VIEW event_labels AS
+        SELECT event_id, realm, billing_account_id, key,
+               CASE json_type(value)
+                   WHEN 'BOOLEAN' THEN 'bool'
+                   WHEN 'VARCHAR' THEN CASE WHEN regexp_full_match(value ->> '$',
+                       '[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}')
+                       THEN 'uuid' ELSE 'text' END
+                   ELSE 'number'
+               END AS slot,
+               CASE WHEN json_type(value) = 'VARCHAR' AND NOT regexp_full_match(value ->> '$',
+                   '[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}')
+                   THEN value ->> '$' END AS value_text,
+               CASE WHEN json_type(value) = 'VARCHAR' AND regexp_full_match(value ->> '$',
+                   '[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}')
+                   THEN CAST(value ->> '$' AS UUID) END AS value_uuid,
+               CASE WHEN json_type(value) = 'BOOLEAN' THEN CAST(value AS BOOLEAN) END AS value_bool,
+               CASE WHEN json_type(value) IN ('BIGINT', 'UBIGINT', 'DOUBLE', 'HUGEINT')
+                   THEN CAST(value AS DOUBLE) END AS value_number
+        FROM (
+            SELECT e.event_id, e.realm, e.billing_account_id, k.key,
+                   json_extract(e.labels, '$."' || k.key || '"') AS value
+            FROM events e, unnest(json_keys(e.labels)) AS k(key)
+        );
+        """,
+    ),
 )
 
 
