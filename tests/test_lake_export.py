@@ -170,6 +170,20 @@ def test_micro_batches_keep_commit_order_and_never_split_a_commit(tmp_path: Path
     assert dict(indexes) == {c: list(range(n)) for c, n in zip(commits, (2, 3, 1, 2), strict=False)}
 
 
+def test_a_round_reads_a_range_of_seqs_and_steps_over_a_gap_wider_than_a_batch(
+        tmp_path: Path, op: OperationalFile) -> None:
+    # A round reads the seqs past its mark, a batch's worth (not a top-n over the backlog);
+    # a gap wider than a batch (none is made today) must not stop the stream.
+    op.add_events(5)
+    op.conn.execute("UPDATE events SET seq = seq + 10 WHERE seq > 2")
+    exporter = LakeExporter(tmp_path, batch_rows=2)
+    rounds = []
+    while (counts := exporter.export_once(op.conn)) != EMPTY:
+        rounds.append(counts["events"])
+    assert rounds == [2, 2, 1]
+    assert lake_rows(tmp_path, "SELECT list(seq ORDER BY seq) FROM lake.events") == [([1, 2, 13, 14, 15],)]
+
+
 def test_a_stop_with_more_than_a_round_waiting_leaves_nothing_behind(tmp_path: Path,
                                                                    op: OperationalFile) -> None:
     # A round ships at most `batch_rows` rows a stream. A clean stop met with a backlog (after
