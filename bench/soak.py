@@ -392,7 +392,9 @@ def main(argv: list[str] | None = None) -> int:
         w2, wl = minute2["rss"].get("writer", 0.0), last["rss"].get("writer", 0.0)
         print(f"summary: first interval {first['events_s']:,.0f} events/s ({first['events_s'] / raw:.0%}"
               f" of raw), last {last['events_s']:,.0f} ({last['events_s'] / max(first['events_s'], 1):.0%}"
-              f" of the first; target >= 90%); writer RSS {w2:,.0f} MiB at {minute2['t']:.0f} s,"
+              f" of the first; target >= 90%), {last['events_s'] / max(minute2['events_s'], 1):.0%}"
+              f" of the interval at {minute2['t']:.0f} s (the first with the schedules' sweeps"
+              f" running); writer RSS {w2:,.0f} MiB at {minute2['t']:.0f} s,"
               f" {wl:,.0f} MiB at the end ({wl / max(w2, 1) - 1:+.0%}; target within 10%);"
               f" stop {stop_s:.1f} s (target <= 10 s, exit 0); restart {restart:.1f} s (target <= 10 s)")
     if args.keep is None:

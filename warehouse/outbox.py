@@ -11,7 +11,6 @@ CONFLICT DO NOTHING RETURNING` cost 1.5 ms more per group and a third of batch t
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 import duckdb
@@ -105,7 +104,9 @@ class EventOutbox:
                 continue  # a repeat inside the group: the op reports it as a duplicate
             first[eid] = item[1]
             candidates.append(item)
-        raw_ids = [uuid.UUID(item[1].event_id).bytes for item in candidates]
+        # The ids are the service's own canonical UUID strings: `bytes.fromhex` reads one in
+        # 0.2 us, `uuid.UUID` in 2 us (1 ms of the writer's loop for a 500-event group).
+        raw_ids = [bytes.fromhex(item[1].event_id.replace("-", "")) for item in candidates]
         fresh: list[tuple[str, EventRecord, str, bytes]] = []
         look_up: list[tuple[str, bytes]] = []
         for item, raw, stored in zip(candidates, raw_ids, self.index.known(raw_ids), strict=True):
