@@ -11,7 +11,7 @@ run is the in-process decode + validate + hash + DuckDB Arrow insert of the same
 (`bench.ingest.raw_limit`), which the interval rates are compared with.
 
     python bench/soak.py [--minutes 10] [--clients 6] [--batch-size 1000] [--interval 30]
-                         [--gate-clients 0] [--preload 0] [--keep DIR]
+                         [--gate-clients 0] [--preload 0] [--keep DIR] [--warm]
 
 The targets (docs/measurements.md): the last interval's rate at least 90 % of the first's,
 the writer's RSS at the end within 10 % of minute 2, SIGTERM to exit 0 within 10 s, ready
@@ -193,6 +193,23 @@ class Service:
         return time.monotonic() - t0, code
 
 
+def wait_for_first_sweep(data_dir: Path, timeout: float = 300) -> float:
+    """Seconds until the scheduler's metrics count a completed rate-events run."""
+    t0 = time.monotonic()
+    path = data_dir / "metrics" / "scheduler.prom"
+    while time.monotonic() - t0 < timeout:
+        try:
+            text = path.read_text()
+        except OSError:
+            text = ""
+        for line in text.splitlines():
+            if (line.startswith("tollgate_flow_runs_total{") and 'flow="rate-events"' in line
+                    and 'outcome="completed"' in line and float(line.rsplit(" ", 1)[1]) >= 1):
+                return time.monotonic() - t0
+        time.sleep(1)
+    raise RuntimeError("no rate-events run completed within the timeout")
+
+
 def make_folder(root: Path, gate_clients: int) -> tuple[Path, dict[str, str]]:
     data_dir = root / "data"
     catalog = root / "catalog.toml"
@@ -318,6 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preload", type=int, default=0,
                         help="events written straight into the stores before the run")
     parser.add_argument("--keep", type=Path, default=None, help="keep the data folder here")
+    parser.add_argument("--warm", action="store_true",
+                        help="start the load once the schedules' first rate-events run has"
+                             " completed, so that every minute measured has their work in it"
+                             " (without it the first minute has none: the flows' Prefect API"
+                             " starts during it)")
     args = parser.parse_args(argv)
 
     root = args.keep or Path(tempfile.mkdtemp(prefix="tollgate-soak-"))
@@ -326,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     service = Service(data_dir, free_port())
     print(f"nproc={os.cpu_count()} python={sys.version.split()[0]} minutes={args.minutes:g}"
           f" clients={args.clients} batch={args.batch_size} gate_clients={args.gate_clients}"
-          f" preload={args.preload:,} workers={os.environ.get('TOLLGATE_WORKERS', 'default')}",
+          f" preload={args.preload:,} warm={args.warm}"
+          f" workers={os.environ.get('TOLLGATE_WORKERS', 'default')}",
           flush=True)
 
     from bench.ingest import raw_limit
@@ -352,6 +375,10 @@ def main(argv: list[str] | None = None) -> int:
     assert service.proc is not None
     print(f"ready after {first_start:.1f} s; RSS MiB {_fmt(rss_by_role(service.proc.pid))}",
           flush=True)
+    if args.warm:
+        waited = wait_for_first_sweep(data_dir)
+        print(f"warm: the schedules' first rate-events run completed {waited:.0f} s after ready;"
+              f" RSS MiB {_fmt(rss_by_role(service.proc.pid))}", flush=True)
     load = Load(service.port, key, args.batch_size)
     rows: list[dict[str, Any]] = []
     try:
