@@ -114,35 +114,23 @@ async def gate_loop(server: Server, principal: str, until: float, tally: Tally) 
     conn.close()
 
 
-async def batch_loop(server: Server, events: Events, until: float, tally: Tally) -> None:
+async def ingest_loop(server: Server, events: Events, until: float, tally: Tally,
+                      kind: str) -> None:
+    """One connection posting `kind` ("batch": 1000-event batches, else single events) until
+    `until`; refusals (429, 503) back off and count."""
     conn = await Connection.open(server.port)
-    path = "/mgt/v1/events/batch"
+    batch = kind == "batch"
+    path = "/mgt/v1/events/batch" if batch else "/mgt/v1/events"
     while time.perf_counter() < until:
-        body = events.batch(BATCH_SIZE)
+        body = events.batch(BATCH_SIZE) if batch else events.one()
         status, reply = await conn.request("POST", path, _signed(server, path, body,
                                                                  billing_account_id=EVENT_ACCOUNT), body)
         if status in (429, 503):
             tally.refused += 1
             await _back_off(status)
             continue
-        assert status == 207, reply[:300]
-        tally.events += json.loads(reply)["data"]["accepted_count"]
-    conn.close()
-
-
-async def single_loop(server: Server, events: Events, until: float, tally: Tally) -> None:
-    conn = await Connection.open(server.port)
-    path = "/mgt/v1/events"
-    while time.perf_counter() < until:
-        body = events.one()
-        status, reply = await conn.request("POST", path, _signed(server, path, body,
-                                                                 billing_account_id=EVENT_ACCOUNT), body)
-        if status in (429, 503):
-            tally.refused += 1
-            await _back_off(status)
-            continue
-        assert status == 201, reply[:300]
-        tally.events += 1
+        assert status == (207 if batch else 201), reply[:300]
+        tally.events += json.loads(reply)["data"]["accepted_count"] if batch else 1
     conn.close()
 
 
@@ -211,10 +199,9 @@ def _ingest_process(server: Server, kind: str, run_id: str, start: int, pipe: An
     tally = Tally()
     pipe.send("ready")
     until = pipe.recv()
-    loop = batch_loop if kind == "batch" else single_loop
-
     async def load() -> None:
-        await asyncio.gather(*(loop(server, events, until, tally) for _ in range(INGEST_CLIENTS)))
+        await asyncio.gather(*(ingest_loop(server, events, until, tally, kind)
+                               for _ in range(INGEST_CLIENTS)))
 
     run(load())
     pipe.send((tally.events, tally.refused))
