@@ -180,7 +180,7 @@ class Runtime:
         self.lake_reader.close()
         for task in self._tasks:
             task.cancel()
-        self.decoders.stop()
+        await self.decoders.stop()
         if hasattr(self, "writer"):
             await self.writer.close()
         if self._shared is not None:

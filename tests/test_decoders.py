@@ -8,6 +8,8 @@ import asyncio
 import json
 import os
 import signal
+import threading
+from concurrent.futures.process import _ExecutorManagerThread
 from datetime import datetime, timezone
 
 import msgspec
@@ -44,7 +46,7 @@ def test_a_batch_prepared_in_a_process_is_the_batch_prepared_on_the_loop() -> No
         try:
             remote = await decoders.prepare(body, "acme", "acct_events", NOW, 300, 1000)
         finally:
-            decoders.stop()
+            await decoders.stop()
         local = prepare_batch(body, "acme", "acct_events", NOW, 300, 1000)
         assert remote == local
         assert remote.error is None
@@ -76,7 +78,7 @@ def test_a_body_refused_whole_comes_back_as_its_error() -> None:
             refused = await decoders.prepare(too_many, "acme", "a", NOW, 300, 1000)
             broken = await decoders.prepare(b'{"events": [' + b"1, " * 20000, "acme", "a", NOW, 300, 1000)
         finally:
-            decoders.stop()
+            await decoders.stop()
         assert refused.error is not None and refused.error["code"] == "VALIDATION.BATCH_TOO_LARGE"
         assert broken.error is not None and broken.error["code"] == "VALIDATION.MALFORMED_JSON"
 
@@ -101,6 +103,28 @@ def test_a_decoding_process_that_dies_is_replaced_and_the_batch_still_answered()
             again = await decoders.prepare(body, "acme", "acct_events", NOW, 300, 1000)
             assert again == answered
         finally:
-            decoders.stop()
+            await decoders.stop()
+        assert not _manager_threads()  # the broken pool's as well as the new one's
+
+    asyncio.run(scenario())
+
+
+def _manager_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if isinstance(t, _ExecutorManagerThread) and t.is_alive()]
+
+
+def test_a_stop_returns_once_the_pools_threads_have_ended() -> None:
+    """The interpreter's exit hook wakes a pool thread that is still alive without a lock; one
+    closing its pipe at that moment printed an OSError traceback into a serve's JSON log."""
+    body = _body()
+
+    async def scenario() -> None:
+        decoders = Decoders(2)
+        await decoders.start()
+        assert _manager_threads()
+        await asyncio.gather(*(decoders.prepare(body, "acme", "a", NOW, 300, 1000) for _ in range(4)))
+        await decoders.stop()
+        assert not _manager_threads()
+        await decoders.stop()  # a second stop is harmless
 
     asyncio.run(scenario())

@@ -12,6 +12,11 @@ started with `spawn` (a fork of a process with an event loop and threads is unsa
 with the HTTP process (PR_SET_PDEATHSIG). A batch smaller than `INLINE_BYTES` is prepared on
 the loop: the trip to a process costs more than the work. If the pool breaks (a process
 killed), a new one is started and the batch is prepared on the loop meanwhile.
+
+Stopping waits (at most `STOP_SECONDS`) for each pool's manager thread to end. On Python 3.11
+the interpreter's exit hook wakes every such thread still registered through its pipe, without
+the pool's lock; a thread closing that pipe at the same moment makes the exit print an
+`OSError` traceback into the service's JSON log. A joined thread is no longer woken.
 """
 
 from __future__ import annotations
@@ -30,11 +35,13 @@ import msgspec
 
 from api.events.prepare import Prepared, prepare_batch, prepare_batch_wire
 
-__all__ = ["INLINE_BYTES", "Decoders"]
+__all__ = ["INLINE_BYTES", "STOP_SECONDS", "Decoders"]
 
 log = logging.getLogger("tollgate.api")
 # A body below this is prepared on the loop (a few events: well under a millisecond).
 INLINE_BYTES = 32 * 1024
+# How long a stop waits for the pools to end (the service's whole stop is bounded at 10 s).
+STOP_SECONDS = 3.0
 _decode_prepared = msgspec.msgpack.Decoder(Prepared).decode
 
 
@@ -51,6 +58,11 @@ def _start_process() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the service, which stops these
 
 
+def _end(pool: ProcessPoolExecutor) -> asyncio.Future[None]:
+    """Shut `pool` down in a thread: queued batches are cancelled, its thread is joined."""
+    return asyncio.ensure_future(asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True))
+
+
 def _ready() -> int:
     return os.getpid()
 
@@ -61,6 +73,7 @@ class Decoders:
     def __init__(self, processes: int) -> None:
         self.processes = processes
         self._pool: ProcessPoolExecutor | None = None
+        self._ending: list[asyncio.Future[None]] = []  # broken pools' shutdowns, awaited by stop()
         self.restarts = 0
 
     async def start(self) -> None:
@@ -87,11 +100,16 @@ class Decoders:
                 log.error("a decoding process ended; starting new ones")
                 self.restarts += 1
                 self._pool = self._new_pool()
-                pool.shutdown(wait=False, cancel_futures=True)
+                self._ending.append(_end(pool))
             return prepare_batch(body, realm, account, now, skew, limit)
         return _decode_prepared(wire)
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
+        """End the processes and wait for the pools' manager threads (see the module's text)."""
         pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+        ending, self._ending = [*self._ending, *([_end(pool)] if pool is not None else [])], []
+        if ending:
+            try:
+                await asyncio.wait_for(asyncio.gather(*ending), STOP_SECONDS)
+            except TimeoutError:
+                log.warning("the decoding processes did not end within %.0f s", STOP_SECONDS)
