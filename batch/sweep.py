@@ -22,6 +22,10 @@
    rows in lake.rating_rows). A crash loses at most the runs not yet committed, which the
    next sweep rates again; no event is ever half rated. Memory stays flat however many
    events wait.
+   A sweep rates the events up to the greatest export id it read at its start (`through`),
+   and every run it writes records that bound (`rates_through`); events exported later wait
+   for the next sweep. So a completed sweep's runs never hold an event beyond the watermark,
+   and the next sweep need not look them up (see "The anti-join" below).
 4. All of an account's pending events fall in one chunk, so the carry of a run (per account,
    meter and price row, in occurred_at order, from 0) is exactly the carry one run over
    everything would give.
@@ -67,6 +71,15 @@ Progress = Callable[[int, int], None]  # (events done, events in all)
 CLOCK_MARGIN = timedelta(hours=1)
 
 
+def _may_rate_beyond(runs: str, watermark: str) -> str:
+    """SQL: a completed batch run (alias `runs`) may hold rows of events beyond `watermark`:
+    any rerate or aggregate run, and a sweep's run unless it records that it rated nothing
+    past an export id at or below the watermark (runs written before `rates_through` was
+    recorded count as may)."""
+    bound = f"CAST(json_extract_string({runs}.params, '$.rates_through') AS BIGINT)"
+    return f"NOT coalesce({runs}.kind = 'sweep' AND {bound} <= {watermark}, false)"
+
+
 @dataclass(frozen=True)
 class _State:
     watermark: int  # the greatest export id a completed sweep had looked at (-1: none)
@@ -92,7 +105,8 @@ def _state(conn: duckdb.DuckDBPyConnection) -> _State:
         " watermark AS (SELECT coalesce((SELECT through FROM mark), -1) AS through)"
         " SELECT (SELECT through FROM watermark), (SELECT read_at FROM mark),"
         " (SELECT count(*) FROM runs WHERE NOT EXISTS (SELECT 1 FROM mark)"
-        f"  OR runs.started_at >= (SELECT read_at FROM mark) - INTERVAL {margin} SECONDS),"
+        f"  OR (runs.started_at >= (SELECT read_at FROM mark) - INTERVAL {margin} SECONDS"
+        f"  AND {_may_rate_beyond('runs', '(SELECT through FROM watermark)')})),"
         " e.*"
         " FROM (SELECT coalesce(max(export_id), -1), count(*) FILTER (export_id IS NULL),"
         "  count(*) FILTER (export_id IS NULL OR export_id > (SELECT through FROM watermark))"
@@ -131,17 +145,20 @@ def sweep_locked(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, *,
     # the rating lock one at a time; the sweep's own chunks start later still): only those
     # runs' rows are looked up: a sweep's cost follows what is new, not the size of the lake. An
     # event without an export id (loaded into the lake by hand) is checked against all runs.
-    recent = "TRUE" if since is None else f"b.started_at >= {sql_instant(since - CLOCK_MARGIN)}"
+    # Of those, a completed sweep's runs are left out: they rated nothing beyond its bound.
+    recent = ("TRUE" if since is None else f"b.started_at >= {sql_instant(since - CLOCK_MARGIN)}"
+              f" AND {_may_rate_beyond('b', str(watermark))}")
     anti = ""
     if state.recent:
-        # Only when such runs exist: the anti-join costs ~0.2 s per million pending events
-        # even when it removes nothing. That saves it on a lake's first sweep (and in
-        # bench/rating.py) only: a later sweep always finds the run of the watermark.
+        # Only when such runs exist (a rerate, an aggregate run, or a sweep that died before
+        # its last run): the anti-join costs ~0.2 s per million pending events even when it
+        # removes nothing, and its rated side is every row of those runs.
         anti = f" ANTI JOIN ({rated_events_sql(recent)}) AS r ON r.event_id = e.event_id"
+    exported = f"e.export_id > {watermark} AND e.export_id <= {through}"
 
     def rated(where: str = "TRUE") -> str:
         """The rated pending events (`slots_sql`) among those `where` (alias e)."""
-        pending = f"SELECT e.* FROM lake.events AS e{anti} WHERE e.export_id > {watermark} AND {where}"
+        pending = f"SELECT e.* FROM lake.events AS e{anti} WHERE {exported} AND {where}"
         if unexported:
             pending += (f" UNION ALL SELECT e.* FROM lake.events AS e ANTI JOIN"
                         f" ({rated_events_sql()}) AS r ON r.event_id = e.event_id"
@@ -157,14 +174,15 @@ def sweep_locked(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, *,
             # One chunk: its events in one query, straight to the carry and the lake.
             # The relation API materializes in parallel; execute() streams on one thread.
             events = conn.sql(rated()).to_arrow_table()
-            run = writer.write(events, {"buckets": [0, BUCKETS - 1], "through_export_id": through,
+            run = writer.write(events, {"buckets": [0, BUCKETS - 1], "rates_through": through,
+                                       "through_export_id": through,
                                        "through_read_at": read_at.isoformat()})
             if progress is not None:
                 progress(events.num_rows, events.num_rows)
             return [run]
         return _sweep_chunks(conn, writer, rated, candidates, chunk_events, through=through,
                              read_at=read_at, scratch=scratch, progress=progress,
-                             where=f"(e.export_id IS NULL OR e.export_id > {watermark})")
+                             where=f"(e.export_id IS NULL OR ({exported}))")
     finally:
         conn.execute(f"SET arrow_lossless_conversion = {bool(lossless and lossless[0])}")
 
@@ -208,7 +226,7 @@ def _sweep_chunks(conn: duckdb.DuckDBPyConnection, writer: RunWriter,
         runs += _sweep_pass(conn, writer, rated(within), chunk_events,
                             in_memory=part is None or part.events * width <= budget,
                             where=f"{where} AND {within}",
-                            through=through if number == len(passes) - 1 else None,
+                            bound=through, through=through if number == len(passes) - 1 else None,
                             read_at=read_at, scratch=scratch, step=step)
     if progress is not None and done < total:
         progress(total, total)  # (candidates a run had rated already)
@@ -216,11 +234,12 @@ def _sweep_chunks(conn: duckdb.DuckDBPyConnection, writer: RunWriter,
 
 
 def _sweep_pass(conn: duckdb.DuckDBPyConnection, writer: RunWriter, rated: str,
-                chunk_events: int, *, in_memory: bool, where: str, through: int | None,
-                read_at: datetime, scratch: Path | None,
+                chunk_events: int, *, in_memory: bool, where: str, bound: int,
+                through: int | None, read_at: datetime, scratch: Path | None,
                 step: Callable[[int], None]) -> list[RunSummary]:
     """One pass of `_sweep_chunks`: the events of `rated` staged, then carried and committed
-    a chunk at a time. `through`: the watermark its last run records (None: not the last pass)."""
+    a chunk at a time. `bound`: the greatest export id the sweep rates (every run records
+    it); `through`: the watermark its last run records (None: not the last pass)."""
     if scratch is not None:
         scratch.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix="sweep-", dir=scratch))
@@ -262,7 +281,7 @@ def _sweep_pass(conn: duckdb.DuckDBPyConnection, writer: RunWriter, rated: str,
                 prepared = ahead.popleft().result()
                 assert prepared is not None  # (stopped only below)
                 chunk = chunks[index]
-                prepared.params = {"buckets": [chunk.first_bucket, chunk.last_bucket]}
+                prepared.params = {"buckets": [chunk.first_bucket, chunk.last_bucket], "rates_through": bound}
                 if index == len(chunks) - 1 and through is not None:
                     # Every candidate up to this export id has now been looked at by a sweep.
                     prepared.params["through_export_id"] = through

@@ -3,6 +3,8 @@ with events put in the lake by the real outbox and exporter and amounts worked o
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import multiprocessing
 import uuid
 from collections.abc import Iterator
@@ -530,3 +532,53 @@ def test_a_sweep_of_many_chunks_carries_each_account_whole(lake: Any, monkeypatc
         assert len(stages) >= 3 and set(stages) == {"memory_stage"}
     else:
         assert set(stages) == {"parquet_stage"}
+
+
+def test_a_sweep_rates_up_to_what_it_read_and_the_next_one_needs_no_anti_join(lake: Any, monkeypatch: Any) -> None:
+    """Events exported after a sweep read the lake wait for the next sweep, so a completed
+    sweep's runs hold nothing beyond its watermark: a steady sweep looks up no earlier run
+    (the anti-join's rated side grew by every sweep of the last hour), and after a rerate it
+    does again. Every event is rated exactly once throughout."""
+    import batch.sweep as sweep_module
+
+    data_dir, feed, conn = lake
+    plan = apply_catalog(data_dir, catalog_toml(policies=policy("llm", ("v1", "2026-01-01T00:00:00Z", LLM_V1)),
+                                                prices=PRICES))
+    first = feed.add(*(llm(a, "2026-11-05T00:00:00Z", 1000) for a in ("acct_a", "acct_b")))
+    assert sum(r.events for r in sweep(conn, plan, lock(data_dir))) == 2
+    second = feed.add(*(llm(a, "2026-11-05T01:00:00Z", 2000) for a in ("acct_a", "acct_b")))
+    third = feed.add(*(llm(a, "2026-11-05T02:00:00Z", 3000) for a in ("acct_a", "acct_b")))
+    states: list[Any] = []
+    real_state = sweep_module._state
+
+    def read_before(events: list[str]) -> Any:
+        """`_state` as a sweep that read the lake before the export of the events after `events`."""
+        [(read,)] = rows(conn, "SELECT max(export_id) FROM lake.events WHERE list_contains(?, event_id::VARCHAR)",
+                         [events])
+
+        def state(c: Any) -> Any:
+            now = real_state(c)
+            states.append(dataclasses.replace(now, greatest=read, candidates=len(events)))
+            return states[-1]
+        return state
+
+    for chunk_events, expected in ((1_000, second), (1, third)):  # one chunk, then chunks
+        monkeypatch.setattr(sweep_module, "_state", read_before(expected))
+        runs = sweep(conn, plan, lock(data_dir), chunk_events=chunk_events)
+        assert sum(r.events for r in runs) == len(expected)
+        assert states[-1].recent == 0  # no run since the watermark could hold a pending event
+        [(rated,)] = rows(conn, "SELECT list(DISTINCT source_id ORDER BY source_id) FROM lake.ratings"
+                                " WHERE list_contains(?, run_id)", [[r.run_id for r in runs]])
+        assert rated == sorted(expected)
+    monkeypatch.setattr(sweep_module, "_state", real_state)
+    assert all(json.loads(params).get("rates_through") is not None for (params,) in rows(
+        conn, "SELECT params FROM lake.rating_runs WHERE kind = 'sweep' ORDER BY started_at OFFSET 1"))
+    # A rerate since the watermark may hold events beyond it: the anti-join is back.
+    [newest] = feed.add(llm("acct_a", "2026-11-06T00:00:00Z", 4000))
+    rerate(conn, plan, lock(data_dir), occurred_from=datetime(2026, 11, 6, tzinfo=timezone.utc),
+           occurred_to=datetime(2026, 11, 7, tzinfo=timezone.utc))
+    assert real_state(conn).recent >= 1
+    assert sum(r.events for r in sweep(conn, plan, lock(data_dir))) == 0
+    per_event = dict(rows(conn, "SELECT source_id, count(DISTINCT run_id) FROM lake.ratings"
+                                " WHERE status = 'rated' GROUP BY source_id"))
+    assert sorted(per_event) == sorted([*first, *second, *third, newest]) and set(per_event.values()) == {1}
