@@ -2,7 +2,7 @@
 at full batch speed for minutes, then stopped with SIGTERM and started again on the same data.
 
 Every interval it prints the events/s of that interval (and the gate pairs/s with authorize
-p50/p99 when `--gate-clients` is given), each process's RSS, and the sizes in the data folder.
+p50/p99 when `--gate-clients` is given), each process's RSS and the cores it used (the load itself as `load`), and the sizes in the data folder.
 At the end: the SIGTERM time and exit code, the restart time (until GET /healthz says ready),
 the writer's RSS after the restart, a dedupe check (the first event of the run, and with
 `--preload` the first event of the preloaded history, sent again: both must answer 200
@@ -115,14 +115,21 @@ def _role(pid: int) -> str:
     return "flow"
 
 
-def rss_by_role(root: int) -> dict[str, float]:
-    """MiB of resident memory of `root` and its descendants, summed per role."""
+def _descendants(root: int) -> list[int]:
     tree = _children()
-    out: dict[str, float] = {}
+    out: list[int] = []
     stack = [root]
     while stack:
         pid = stack.pop()
+        out.append(pid)
         stack.extend(tree.get(pid, []))
+    return out
+
+
+def rss_by_role(root: int) -> dict[str, float]:
+    """MiB of resident memory of `root` and its descendants, summed per role."""
+    out: dict[str, float] = {}
+    for pid in _descendants(root):
         try:
             for line in (Path("/proc") / str(pid) / "status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
@@ -130,6 +137,34 @@ def rss_by_role(root: int) -> dict[str, float]:
                     out[role] = out.get(role, 0.0) + int(line.split()[1]) / 1024
         except OSError:
             continue
+    return out
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_by_pid(root: int) -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system, all threads) of `root` and its descendants, with their
+    roles; this process (the load) as pid 0."""
+    out: dict[int, tuple[str, float]] = {0: ("load", sum(os.times()[:2]))}
+    for pid in _descendants(root):
+        try:
+            stat = (Path("/proc") / str(pid) / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[pid] = (_role(pid), (int(fields[11]) + int(fields[12])) / _TICK)
+    return out
+
+
+def cores_by_role(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
+                  seconds: float) -> dict[str, float]:
+    """Cores each role used between two `cpu_by_pid` samples (a process started in between
+    counts from 0; one that ended in between is missing)."""
+    out: dict[str, float] = {}
+    for pid, (role, spent) in after.items():
+        used = spent - before.get(pid, (role, 0.0))[1]
+        out[role] = out.get(role, 0.0) + used / seconds
     return out
 
 
@@ -283,6 +318,7 @@ async def drive(service: Service, load: Load, args: argparse.Namespace,
     tasks += [asyncio.create_task(load.gate(f"soak-{i}")) for i in range(args.gate_clients)]
     t0 = last_t = time.monotonic()
     last_events = last_pairs = 0
+    last_cpu = cpu_by_pid(service.proc.pid) if service.proc is not None else {}
     end = t0 + args.minutes * 60
     assert service.proc is not None
     while time.monotonic() < end:
@@ -291,16 +327,21 @@ async def drive(service: Service, load: Load, args: argparse.Namespace,
         span = now - last_t
         lat = sorted(load.auth_lat)
         load.auth_lat = []
+        cpu = cpu_by_pid(service.proc.pid)
+        cores = cores_by_role(last_cpu, cpu, span)
+        rss, folder = rss_by_role(service.proc.pid), sizes(service.data_dir)
         row = {"t": now - t0, "events_s": (load.events - last_events) / span,
                "pairs_s": (load.pairs - last_pairs) / span, "stored": load.events,
                "auth_p50": percentile(lat, 0.5) * 1e3, "auth_p99": percentile(lat, 0.99) * 1e3,
-               "rss": rss_by_role(service.proc.pid), "sizes": sizes(service.data_dir)}
+               "rss": rss, "sizes": folder, "cores": cores}
         rows.append(row)
         gate = (f" pairs/s={row['pairs_s']:,.0f} auth p50/p99={row['auth_p50']:.1f}/"
                 f"{row['auth_p99']:.1f} ms" if args.gate_clients else "")
         print(f"t={row['t']:5.0f}s events/s={row['events_s']:,.0f} stored={load.events:,}{gate}"
-              f" | RSS MiB {_fmt(row['rss'])} | data MiB {_fmt(row['sizes'])}", flush=True)
-        last_t, last_events, last_pairs = now, load.events, load.pairs
+              f" | RSS MiB {_fmt(rss)} | data MiB {_fmt(folder)}"
+              f" | cores {' '.join(f'{k}={v:.2f}' for k, v in sorted(cores.items()) if v >= 0.01)}"
+              f" (sum {sum(cores.values()):.2f})", flush=True)
+        last_t, last_events, last_pairs, last_cpu = now, load.events, load.pairs, cpu
     load.stop = True
     await asyncio.gather(*tasks, return_exceptions=True)
 

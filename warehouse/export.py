@@ -37,7 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from core.clock import SYSTEM_CLOCK, Clock
-from warehouse.journal import run_in_background
+from core.priority import run_in_background
 from warehouse.lake import attach_lake, transaction, with_lake_retry
 from warehouse.usage_days import rollup_rows_sql
 

@@ -6,7 +6,7 @@ Why processes and not threads: the work is Python (validation, canonical JSON), 
 the GIL; in a thread it would still take the loop's turns, about 5 ms at a time (the GIL's
 switch interval). Measured in docs/measurements.md ("The gate next to event ingestion").
 
-The processes run at a lower CPU priority (nice 10): when the cores are short, the HTTP loop
+The processes run at a lower CPU priority (`core.priority`): when the cores are short, the HTTP loop
 and the writer, which answer the gate, go first, and batches take what is left. They are
 started with `spawn` (a fork of a process with an event loop and threads is unsafe) and end
 with the HTTP process (PR_SET_PDEATHSIG). A batch smaller than `INLINE_BYTES` is prepared on
@@ -34,6 +34,7 @@ from datetime import datetime
 import msgspec
 
 from api.events.prepare import Prepared, prepare_batch, prepare_batch_wire
+from core.priority import run_in_background
 
 __all__ = ["INLINE_BYTES", "STOP_SECONDS", "Decoders"]
 
@@ -47,10 +48,7 @@ _decode_prepared = msgspec.msgpack.Decoder(Prepared).decode
 
 def _start_process() -> None:
     """In each decoding process: lower priority, and end with the HTTP process."""
-    try:
-        os.nice(10)
-    except OSError:
-        pass
+    run_in_background()
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
