@@ -582,3 +582,35 @@ def test_a_sweep_rates_up_to_what_it_read_and_the_next_one_needs_no_anti_join(la
     per_event = dict(rows(conn, "SELECT source_id, count(DISTINCT run_id) FROM lake.ratings"
                                 " WHERE status = 'rated' GROUP BY source_id"))
     assert sorted(per_event) == sorted([*first, *second, *third, newest]) and set(per_event.values()) == {1}
+
+
+def test_a_backlog_past_a_rounds_size_is_rated_in_rounds_of_export_ids(lake: Any) -> None:
+    """A sweep meeting more events than a round holds (what its memory allows) rates them a
+    prefix of export ids at a time, each round ending with its own watermark: as the sweeps
+    of the minutes the backlog piled up in would have, carry included. Every event once."""
+    data_dir, feed, conn = lake
+    plan = apply_catalog(data_dir, catalog_toml(
+        policies=policy("llm", ("v1", "2026-01-01T00:00:00Z", LLM_V1)), prices=PRICES))
+    exports = [feed.add(*(llm("acct_a", f"2026-11-01T00:0{n}:0{i}Z", 600) for i in range(3)))
+               for n in range(3)]
+    seen: list[tuple[int, int]] = []
+    runs = sweep(conn, plan, lock(data_dir), chunk_events=2, round_events=4,
+                 progress=lambda done, total: seen.append((done, total)))
+    assert sum(r.events for r in runs) == 9
+    marks = rows(conn, "SELECT CAST(json_extract_string(params, '$.through_export_id') AS BIGINT)"
+                       " FROM lake.rating_runs WHERE json_extract_string(params, '$.through_export_id')"
+                       " IS NOT NULL ORDER BY 1")
+    assert marks == rows(conn, "SELECT DISTINCT export_id FROM lake.events ORDER BY 1")  # a round each
+    # Each round's runs hold one export's events.
+    per_run = rows(conn, "SELECT count(DISTINCT e.export_id) FROM lake.ratings AS r"
+                         " JOIN lake.events AS e ON e.event_id = r.source_id GROUP BY r.run_id")
+    assert per_run and {n for (n,) in per_run} == {1}
+    # 600 tokens a time at 150 per 1000 (floor), carried within a round, from 0 in each.
+    got = rows(conn, "SELECT list(amount_xusd ORDER BY occurred_at) FROM lake.ratings"
+                     " WHERE meter_code = 'tokens.in'")
+    assert got == [([0, 150, 0] * 3,)]
+    assert seen[-1] == (9, 9) and all(total == 9 for _, total in seen)
+    per_event = dict(rows(conn, "SELECT source_id, count(*) FROM lake.ratings WHERE meter_code = 'tokens.in'"
+                                " GROUP BY ALL"))
+    assert sorted(per_event) == sorted(i for ids in exports for i in ids) and set(per_event.values()) == {1}
+    assert sweep(conn, plan, lock(data_dir), chunk_events=2, round_events=4) == []
