@@ -12,7 +12,7 @@ them see the same settings.
 | TOLLGATE_SIGNATURE_SKEW_SECONDS   | 300          | how far a signed timestamp may be off      |
 | TOLLGATE_SCHEDULES                | on           | whether `serve` runs the flows' schedules  |
 | TOLLGATE_SCHEDULE_SECONDS         | (none)       | intervals, e.g. `rate-events=30`           |
-| TOLLGATE_FLOW_MEMORY_LIMIT        | 1GB          | DuckDB's memory limit in a flow            |
+| TOLLGATE_FLOW_MEMORY_LIMIT        | 1GB          | DuckDB's memory limit in a flow (and the size of a sweep's rounds) |
 | TOLLGATE_PREFECT_API_IDLE_SECONDS | 600          | when the Prefect API `flows run` keeps stops (`flows.prefect_api`); 0: none kept |
 | TOLLGATE_WRITER_DEADLINE_SECONDS  | 10           | how long a request waits for the writer before its 503 (`api.runtime`) |
 | TOLLGATE_LOG_FORMAT               | json under `serve`, else text | `json` (one JSON object a line) or `text` (`core.logs`) |
