@@ -50,7 +50,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import duckdb
@@ -73,11 +73,12 @@ CLOCK_MARGIN = timedelta(hours=1)
 
 def _may_rate_beyond(runs: str, watermark: str) -> str:
     """SQL: a completed batch run (alias `runs`) may hold rows of events beyond `watermark`:
-    any rerate or aggregate run, and a sweep's run unless it records that it rated nothing
-    past an export id at or below the watermark (runs written before `rates_through` was
-    recorded count as may)."""
+    any rerate run, and a sweep's run unless it records that it rated nothing past an export
+    id at or below the watermark (runs written before `rates_through` was recorded count as
+    may). An aggregate run's lines are days, with no event id: it holds no event's rows."""
     bound = f"CAST(json_extract_string({runs}.params, '$.rates_through') AS BIGINT)"
-    return f"NOT coalesce({runs}.kind = 'sweep' AND {bound} <= {watermark}, false)"
+    return (f"{runs}.kind <> 'aggregate'"
+            f" AND NOT coalesce({runs}.kind = 'sweep' AND {bound} <= {watermark}, false)")
 
 
 @dataclass(frozen=True)
@@ -142,18 +143,39 @@ def sweep_locked(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, *,
     plan.install(conn)
     if round_events is None:
         round_events = max(memory_limit(conn) // ROUND_EVENT_BYTES, chunk_events)
+    read_at = clock.now()  # before the greatest export id is read
+    state: _State | None = _state(conn)
+    assert state is not None
+    # The sweep ends at the greatest export id it read now, however many rounds it takes.
+    # Each round's watermark records a read time when no event beyond its bound was in the
+    # lake yet, for the next sweep's anti-join: the last round's bound is `end`, read now;
+    # an earlier round's later events were there already, so it keeps the time of the
+    # watermark this sweep started from (none: a time before any event).
+    end = max(state.watermark, state.greatest)
+    early = state.since if state.since is not None else _BEFORE_ANY_EVENT
+    total = state.candidates
     runs: list[RunSummary] = []
-    total = _state(conn).candidates if progress is not None else 0  # (~10-20 ms)
-    while True:
-        def step(events: int, of: int, before: int = sum(run.events for run in runs)) -> None:
-            if progress is not None:
-                progress(before + events, max(total, before + of))
+    reported = 0
 
-        before = len(runs)
-        more = _sweep_round(conn, plan, runs, chunk_events=chunk_events, scratch=scratch,
-                            progress=step, clock=clock, round_events=round_events)
+    def step(events: int, of: int) -> None:
+        nonlocal reported
+        reported = max(reported, base + events)
+        if progress is not None:
+            progress(reported, max(total, base + of))
+
+    while True:
+        before, base = len(runs), reported
+        more = _sweep_round(conn, plan, runs, state, chunk_events=chunk_events, scratch=scratch,
+                            progress=step, clock=clock, round_events=round_events, end=end,
+                            end_read_at=read_at, early_read_at=early)
+        state = None  # (read again by the next round)
         if not more or len(runs) == before:  # (a round always writes its watermark's run)
             return runs
+
+
+# What a round records as its watermark's read time when events beyond its bound were in the
+# lake already and the sweep began without a watermark: the next round looks up every run.
+_BEFORE_ANY_EVENT = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
 # A round holds what the flow's memory limit gives at this many bytes an event (about 1 M
@@ -180,26 +202,26 @@ def _round_bound(conn: duckdb.DuckDBPyConnection, watermark: int, through: int,
     return bound, events
 
 
-def _sweep_round(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, runs: list[RunSummary], *,
-                 chunk_events: int, scratch: Path | None, progress: Progress, clock: Clock,
-                 round_events: int) -> bool:
-    """One round of `sweep_locked`: its runs are added to `runs`. Returns whether events
-    beyond this round's bound wait."""
-    read_at = clock.now()  # before the greatest export id is read
-    state = _state(conn)
+def _sweep_round(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, runs: list[RunSummary],
+                 state: _State | None, *, chunk_events: int, scratch: Path | None,
+                 progress: Progress, clock: Clock, round_events: int, end: int,
+                 end_read_at: datetime, early_read_at: datetime) -> bool:
+    """One round of `sweep_locked` (`state`: the lake's, when just read): its runs are added
+    to `runs`. Returns whether events up to `end` wait beyond this round's bound."""
+    if state is None:
+        state = _state(conn)
     watermark, since = state.watermark, state.since
-    through = max(watermark, state.greatest)
+    through = min(max(watermark, state.greatest), end)
     unexported = bool(state.unexported)
     candidates = state.candidates
-    if not candidates:
+    if not candidates or (through <= watermark and not unexported):
         return False
-    more = False
     if candidates > round_events and through > watermark:
         bound, events = _round_bound(conn, watermark, through, round_events)
         if bound < through:
-            more = True
             through = bound
             candidates = events + state.unexported
+    read_at = end_read_at if through == end else early_read_at
     # An event exported beyond the watermark was not in the lake when the watermark sweep
     # read it, so only a run that started after that moment can have rated it (runs hold
     # the rating lock one at a time; the sweep's own chunks start later still): only those
@@ -243,7 +265,7 @@ def _sweep_round(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, runs: list[R
             runs += _sweep_chunks(conn, writer, rated, candidates, chunk_events, through=through,
                                   read_at=read_at, scratch=scratch, progress=progress,
                                   where=f"(e.export_id IS NULL OR ({exported}))")
-        return more
+        return through < end
     finally:
         conn.execute(f"SET arrow_lossless_conversion = {bool(lossless and lossless[0])}")
 

@@ -20,6 +20,7 @@ from batch.rating_plan import RatingPlan
 from batch.rating_runs import RatingLock, current_ratings_sql
 from batch.rerate import rerate
 from batch.sweep import sweep
+from core.clock import ManualClock
 from tests.lake_events import (
     LakeFeed,
     aggregate,
@@ -571,8 +572,10 @@ def test_a_sweep_rates_up_to_what_it_read_and_the_next_one_needs_no_anti_join(la
                                 " WHERE list_contains(?, run_id)", [[r.run_id for r in runs]])
         assert rated == sorted(expected)
     monkeypatch.setattr(sweep_module, "_state", real_state)
-    assert all(json.loads(params).get("rates_through") is not None for (params,) in rows(
-        conn, "SELECT params FROM lake.rating_runs WHERE kind = 'sweep' ORDER BY started_at OFFSET 1"))
+    # Every run of a sweep records its bound; a watermark run's bound is its watermark.
+    params = [json.loads(p) for (p,) in rows(conn, "SELECT params FROM lake.rating_runs WHERE kind = 'sweep'")]
+    assert len(params) >= 3 and all(p.get("rates_through") is not None for p in params)
+    assert all(p["rates_through"] == p["through_export_id"] for p in params if "through_export_id" in p)
     # A rerate since the watermark may hold events beyond it: the anti-join is back.
     [newest] = feed.add(llm("acct_a", "2026-11-06T00:00:00Z", 4000))
     rerate(conn, plan, lock(data_dir), occurred_from=datetime(2026, 11, 6, tzinfo=timezone.utc),
@@ -614,3 +617,65 @@ def test_a_backlog_past_a_rounds_size_is_rated_in_rounds_of_export_ids(lake: Any
                                 " GROUP BY ALL"))
     assert sorted(per_event) == sorted(i for ids in exports for i in ids) and set(per_event.values()) == {1}
     assert sweep(conn, plan, lock(data_dir), chunk_events=2, round_events=4) == []
+
+
+def test_rounds_after_a_sweep_that_died_hours_ago_rate_nothing_twice(lake: Any, monkeypatch: Any) -> None:
+    """A sweep that died after committing one account's run (no watermark) leaves events
+    beyond the watermark rated. Hours later a sweep in rounds must still look that run up in
+    every round: a round that stops short of the events it read records the read time of
+    the watermark the sweep started from, not its own (events past its bound were in the
+    lake already at its own)."""
+    import batch.sweep as sweep_module
+
+    monkeypatch.setattr(sweep_module, "COMMIT_SECONDS", 0.0)
+    data_dir, feed, conn = lake
+    plan = apply_catalog(data_dir, catalog_toml(
+        policies=policy("llm", ("v1", "2026-01-01T00:00:00Z", LLM_V1)), prices=PRICES))
+    clock = ManualClock(datetime(2026, 11, 27, 10, 0, tzinfo=timezone.utc))
+    feed.add(llm("acct_a", "2026-11-01T00:00:00Z", 100))
+    assert sum(r.events for r in sweep(conn, plan, lock(data_dir), clock=clock)) == 1
+    ids = [i for n in range(1, 4) for i in feed.add(*(llm(a, f"2026-11-01T0{n}:00:00Z", 100 * n)
+                                                       for a in ("acct_a", "acct_b")))]
+    clock.advance(60)
+    with pytest.raises(RuntimeError, match="killed"):
+        sweep(_CrashBeforeSecondRunCommits(conn), plan, lock(data_dir), chunk_events=3, clock=clock)
+    [(dead,)] = rows(conn, "SELECT count(*) FROM lake.ratings WHERE meter_code = 'tokens.in'") or [(0,)]
+    assert dead == 4  # the first event, and one account's three
+    clock.advance(3 * 3600)
+    runs = sweep(conn, plan, lock(data_dir), chunk_events=1, round_events=2, clock=clock)
+    assert sum(r.events for r in runs) == 3
+    per_event = dict(rows(conn, "SELECT source_id, count(DISTINCT run_id) FROM lake.ratings"
+                                " WHERE meter_code = 'tokens.in' GROUP BY ALL"))
+    assert set(ids) <= set(per_event) and set(per_event.values()) == {1}
+
+
+def test_a_sweep_in_rounds_ends_at_what_it_read_at_its_start(lake: Any, monkeypatch: Any) -> None:
+    """Events exported while a sweep goes through its rounds wait for the next sweep: a
+    sweep has an end, so it never holds the rating lock for as long as events keep coming."""
+    import batch.sweep as sweep_module
+
+    data_dir, feed, conn = lake
+    plan = apply_catalog(data_dir, catalog_toml(
+        policies=policy("llm", ("v1", "2026-01-01T00:00:00Z", LLM_V1)), prices=PRICES))
+    exports = [feed.add(*(llm(a, f"2026-11-01T0{n}:00:00Z", 100) for a in ("acct_a", "acct_b")))
+               for n in range(3)]
+    [(second,)] = rows(conn, "SELECT max(export_id) FROM lake.events WHERE list_contains(?, event_id::VARCHAR)",
+                       [exports[1]])
+    real_state = sweep_module._state
+    calls: list[int] = []
+
+    def first_read_misses_the_last_export(c: Any) -> Any:
+        state = real_state(c)
+        calls.append(state.greatest)
+        if len(calls) == 1:  # as if the last export landed right after the sweep's read
+            return dataclasses.replace(state, greatest=second, candidates=4)
+        return state
+
+    monkeypatch.setattr(sweep_module, "_state", first_read_misses_the_last_export)
+    runs = sweep(conn, plan, lock(data_dir), chunk_events=1, round_events=2)
+    assert len(calls) == 2 and calls[1] > second  # the second round saw the last export
+    assert sum(r.events for r in runs) == 4
+    rated = {i for (i,) in rows(conn, "SELECT DISTINCT source_id FROM lake.ratings")}
+    assert rated == {*exports[0], *exports[1]}
+    monkeypatch.setattr(sweep_module, "_state", real_state)
+    assert sum(r.events for r in sweep(conn, plan, lock(data_dir))) == 2
