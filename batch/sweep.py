@@ -144,8 +144,7 @@ def sweep_locked(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, *,
     if round_events is None:
         round_events = max(memory_limit(conn) // ROUND_EVENT_BYTES, chunk_events)
     read_at = clock.now()  # before the greatest export id is read
-    state: _State | None = _state(conn)
-    assert state is not None
+    state = _state(conn)
     # The sweep ends at the greatest export id it read now, however many rounds it takes.
     # Each round's watermark records a read time when no event beyond its bound was in the
     # lake yet, for the next sweep's anti-join: the last round's bound is `end`, read now;
@@ -165,10 +164,9 @@ def sweep_locked(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, *,
 
     while True:
         before, base = len(runs), reported
-        more = _sweep_round(conn, plan, runs, state, chunk_events=chunk_events, scratch=scratch,
+        more = _sweep_round(conn, plan, runs, chunk_events=chunk_events, scratch=scratch,
                             progress=step, clock=clock, round_events=round_events, end=end,
                             end_read_at=read_at, early_read_at=early)
-        state = None  # (read again by the next round)
         if not more or len(runs) == before:  # (a round always writes its watermark's run)
             return runs
 
@@ -202,14 +200,13 @@ def _round_bound(conn: duckdb.DuckDBPyConnection, watermark: int, through: int,
     return bound, events
 
 
-def _sweep_round(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, runs: list[RunSummary],
-                 state: _State | None, *, chunk_events: int, scratch: Path | None,
-                 progress: Progress, clock: Clock, round_events: int, end: int,
-                 end_read_at: datetime, early_read_at: datetime) -> bool:
-    """One round of `sweep_locked` (`state`: the lake's, when just read): its runs are added
-    to `runs`. Returns whether events up to `end` wait beyond this round's bound."""
-    if state is None:
-        state = _state(conn)
+def _sweep_round(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, runs: list[RunSummary], *,
+                 chunk_events: int, scratch: Path | None, progress: Progress, clock: Clock,
+                 round_events: int, end: int, end_read_at: datetime,
+                 early_read_at: datetime) -> bool:
+    """One round of `sweep_locked`: its runs are added to `runs`. Returns whether events up
+    to `end` wait beyond this round's bound."""
+    state = _state(conn)
     watermark, since = state.watermark, state.since
     through = min(max(watermark, state.greatest), end)
     unexported = bool(state.unexported)
@@ -232,8 +229,7 @@ def _sweep_round(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, runs: list[R
               f" AND {_may_rate_beyond('b', str(watermark))}")
     anti = ""
     if state.recent:
-        # Only when such runs exist (a rerate, an aggregate run, or a sweep that died before
-        # its last run): the anti-join costs ~0.2 s per million pending events even when it
+        # Only when such runs exist (a rerate, or a sweep that died before its last run): the anti-join costs ~0.2 s per million pending events even when it
         # removes nothing, and its rated side is every row of those runs.
         anti = f" ANTI JOIN ({rated_events_sql(recent)}) AS r ON r.event_id = e.event_id"
     exported = f"e.export_id > {watermark} AND e.export_id <= {through}"

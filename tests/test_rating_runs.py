@@ -673,7 +673,7 @@ def test_a_sweep_in_rounds_ends_at_what_it_read_at_its_start(lake: Any, monkeypa
 
     monkeypatch.setattr(sweep_module, "_state", first_read_misses_the_last_export)
     runs = sweep(conn, plan, lock(data_dir), chunk_events=1, round_events=2)
-    assert len(calls) == 2 and calls[1] > second  # the second round saw the last export
+    assert len(calls) >= 2 and calls[-1] > second  # a later round saw the last export
     assert sum(r.events for r in runs) == 4
     rated = {i for (i,) in rows(conn, "SELECT DISTINCT source_id FROM lake.ratings")}
     assert rated == {*exports[0], *exports[1]}
