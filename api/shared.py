@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import msgspec
 
 from api.auth import NonceLog, _NonceWindow
+from api.errors import ServiceUnavailable
 from api.gate.limits import RateLimiter, RatePlan
 
 __all__ = ["LocalState", "RemoteState", "SharedState", "StateBook", "StateServer", "serve_state"]
@@ -172,6 +173,13 @@ def _frame(value: Any) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
+def _parent_gone() -> ServiceUnavailable:
+    """What a request that needs the shared state gets once the parent is gone: the service is
+    stopping (this worker ends with its parent), so 503 `SERVICE.BUSY`, never a 500."""
+    return ServiceUnavailable("SERVICE.BUSY", "the service is stopping; retry",
+                              headers={"Retry-After": "1"})
+
+
 class RemoteState(SharedState, asyncio.Protocol):
     """A worker's end: asks the parent. The parent never goes away before its workers (they
     end with it), so a lost connection ends the worker (`lost`)."""
@@ -205,7 +213,7 @@ class RemoteState(SharedState, asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         for fut in self._waiting.values():
             if not fut.done():
-                fut.set_exception(ConnectionError("the service's parent process went away"))
+                fut.set_exception(_parent_gone())
         self._waiting.clear()
         self._transport = None
         if self.lost is not None and not self.lost.done():
@@ -223,7 +231,7 @@ class RemoteState(SharedState, asyncio.Protocol):
 
     async def _ask(self, name: str, *args: Any) -> Any:
         if self._transport is None:
-            raise ConnectionError("the service's parent process went away")
+            raise _parent_gone()
         rid = self._next
         self._next += 1
         fut: asyncio.Future[Any] = (self._loop or asyncio.get_running_loop()).create_future()

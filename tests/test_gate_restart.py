@@ -21,6 +21,13 @@ from writer.gate.book import GateBook
 from writer.ops import AuthorizeOp, CommitOp, MeterLine
 
 
+def _stopping(r: object) -> bool:
+    """A worker still answering while the service is killed: a 503 the client retries (its
+    parent gone, or its writer), never a 500."""
+    return (getattr(r, "status_code", 0) == 503
+            and r.json()["code"] in ("SERVICE.BUSY", "STORAGE.UNAVAILABLE"))  # type: ignore[attr-defined]
+
+
 def _authorize(svc: Service, principal: str, estimate: str = "10", key: str | None = None):
     return svc.post("/mgt/v1/gate/authorize", {"feature_code": "gate.unit", "estimated_quantity_minor": estimate},
                     principal=principal, idempotency_key=key)
@@ -199,11 +206,15 @@ def test_kill_9_under_concurrent_gate_load_keeps_every_acknowledged_commit_exact
                 data = json.dumps({"feature_code": "gate.unit", "estimated_quantity_minor": "2"}).encode()
                 r = await http.post(svc.base_url + "/mgt/v1/gate/authorize", content=data,
                                     headers=signed("/mgt/v1/gate/authorize", data))
+                if _stopping(r):
+                    return
                 token = r.json()["data"]["lease_token"]
                 body = {"lease_token": token, "feature_code": "gate.unit", "quantity_minor": str(1 + (n + i) % 3)}
                 data = json.dumps(body).encode()
                 r = await http.post(svc.base_url + "/mgt/v1/gate/commits", content=data,
                                     headers=signed("/mgt/v1/gate/commits", data))
+                if _stopping(r):
+                    return  # not acknowledged
                 assert r.status_code == 200, r.text
                 acknowledged.append((body, r.json()["data"]["commit_id"], int(r.json()["data"]["amount_xusd"])))
             except (httpx.TransportError, KeyError, ValueError):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from api.auth import NonceLog
+from api.errors import ServiceUnavailable
 from api.shared import RemoteState, StateBook, serve_state
 from core.settings import ConfigError, Settings, usable_cores
 
@@ -51,6 +52,25 @@ def test_two_workers_share_one_book_and_a_worker_that_ends_releases_its_keys(tmp
     asyncio.run(scenario())
     # The nonce reached the log, so a restarted service refuses it too.
     assert [n for _, _, n in NonceLog(tmp_path / "nonces", 300).load(time.time())] == ["n1"]
+
+
+def test_a_worker_whose_parent_is_gone_answers_503_service_busy(tmp_path: Path) -> None:
+    """The parent ends first when the service is killed; a request in flight in a worker that
+    still runs must get a 503 the client retries, never a 500."""
+    async def scenario() -> None:
+        ours, theirs = socket.socketpair()
+        worker = RemoteState(theirs)
+        await worker.start()
+        waiting = asyncio.ensure_future(worker.first_use("k", "n1", time.time()))
+        await asyncio.sleep(0.05)
+        ours.close()  # the parent dies with the question unanswered
+        for call in (waiting, worker.seen("k", "n1")):
+            with pytest.raises(ServiceUnavailable) as caught:
+                await call
+            assert caught.value.code == "SERVICE.BUSY" and caught.value.headers == {"Retry-After": "1"}
+        worker.close()
+
+    asyncio.run(scenario())
 
 
 def test_workers_setting() -> None:
