@@ -2,7 +2,8 @@
 at full batch speed for minutes, then stopped with SIGTERM and started again on the same data.
 
 Every interval it prints the events/s of that interval (and the gate pairs/s with authorize
-p50/p99 when `--gate-clients` is given), each process's RSS and the cores it used (the load itself as `load`), and the sizes in the data folder.
+p50/p99 when `--gate-clients` is given), each process's RSS and the cores it used (the load
+itself as `load`), and the sizes in the data folder.
 At the end: the SIGTERM time and exit code, the restart time (until GET /healthz says ready),
 the writer's RSS after the restart, a dedupe check (the first event of the run, and with
 `--preload` the first event of the preloaded history, sent again: both must answer 200
@@ -318,9 +319,9 @@ async def drive(service: Service, load: Load, args: argparse.Namespace,
     tasks += [asyncio.create_task(load.gate(f"soak-{i}")) for i in range(args.gate_clients)]
     t0 = last_t = time.monotonic()
     last_events = last_pairs = 0
-    last_cpu = cpu_by_pid(service.proc.pid) if service.proc is not None else {}
-    end = t0 + args.minutes * 60
     assert service.proc is not None
+    last_cpu = cpu_by_pid(service.proc.pid)
+    end = t0 + args.minutes * 60
     while time.monotonic() < end:
         await asyncio.sleep(min(args.interval, max(0.0, end - time.monotonic())))
         now = time.monotonic()

@@ -104,8 +104,10 @@ class Decoders:
 
     async def stop(self) -> None:
         """End the processes and wait for the pools' manager threads (see the module's text)."""
-        pool, self._pool = self._pool, None
-        ending, self._ending = [*self._ending, *([_end(pool)] if pool is not None else [])], []
+        if self._pool is not None:
+            self._ending.append(_end(self._pool))
+            self._pool = None
+        ending, self._ending = self._ending, []
         if ending:
             try:
                 await asyncio.wait_for(asyncio.gather(*ending), STOP_SECONDS)
