@@ -189,17 +189,53 @@ def _carry_order(group: np.ndarray, occurred: np.ndarray, rows: np.ndarray,
         order = np.argsort(key)
         ordered_key = key[order]
         # Lines of one group at the same instant: (event_id, line key) decides among them.
-        tie = np.flatnonzero(ordered_key[1:] == ordered_key[:-1])
-        if len(tie):
-            spots = np.unique(np.concatenate((tie, tie + 1)))
-            tied = order[spots]
-            high, low, line_key = tie_break(rows[tied])
-            among = np.lexsort((line_key, low, high, ordered_key[spots]))
-            order[spots] = tied[among]
+        same = ordered_key[1:] == ordered_key[:-1]
+        if same.any():
+            tied = np.zeros(len(order), dtype=bool)
+            tied[:-1] = same
+            tied[1:] |= same
+            spots = np.flatnonzero(tied)
+            order[spots] = _ties_ordered(order[spots], ordered_key[spots], rows, tie_break)
         return order, ordered_key >> shift
     high, low, line_key = tie_break(rows)
     order = np.lexsort((line_key, low, high, occurred, group))
     return order, group[order]
+
+
+def _ties_ordered(tied: np.ndarray, keys: np.ndarray, rows: np.ndarray,
+                  tie_break: TieBreak) -> np.ndarray:
+    """`tied` (positions into `rows`, with their ascending sort `keys`) in (key, event_id,
+    line key) order.
+
+    Events at one instant are the common case, not the rare one (clients that send seconds
+    put thousands of events of an account at each one), so this is one `argsort` of a packed
+    64-bit key rather than a lexsort of four columns (a fifth of the time at millions of
+    lines): the key's rank among the tied keys, then the event id's leading bits, then the
+    line key. Lines whose rank and leading bits agree but whose event ids differ are put in
+    order by a lexsort of just them."""
+    high, low, line_key = tie_break(rows[tied])
+    rank = np.zeros(len(keys), dtype=np.int64)
+    np.cumsum(keys[1:] != keys[:-1], out=rank[1:])
+    line_bits = max(int(line_key.max()).bit_length(), 1)
+    lead_bits = 63 - int(rank[-1]).bit_length() - line_bits
+    if lead_bits < 16 or int(line_key.min()) < 0:
+        return tied[np.lexsort((line_key, low, high, keys))]
+    lead = (high >> np.uint64(64 - lead_bits)).astype(np.int64)
+    prefix = (rank << lead_bits) | lead
+    order = np.argsort((prefix << line_bits) | line_key)
+    prefix, high, low = prefix[order], high[order], low[order]
+    # A run of one prefix holds the lines of one event, unless two ids share their lead.
+    same = prefix[1:] == prefix[:-1]
+    clash = same & ((high[1:] != high[:-1]) | (low[1:] != low[:-1]))
+    if clash.any():
+        run = np.zeros(len(order), dtype=np.int64)
+        np.cumsum(~same, out=run[1:])
+        crowded = np.zeros(int(run[-1]) + 1, dtype=bool)
+        crowded[run[1:][clash]] = True
+        spots = np.flatnonzero(crowded[run])
+        order[spots] = order[spots][np.lexsort((line_key[order[spots]], low[spots],
+                                                high[spots], run[spots]))]
+    return tied[order]
 
 
 def account_numbers(accounts: pa.ChunkedArray | pa.Array) -> np.ndarray:

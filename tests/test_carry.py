@@ -9,6 +9,7 @@ import uuid
 from datetime import datetime, timedelta, timezone
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 import pytest
 from hypothesis import given, settings
@@ -58,9 +59,10 @@ def _table(conn: duckdb.DuckDBPyConnection, drawn: list, events: list[str], pric
 
 
 @settings(max_examples=examples(150), deadline=None)
-@given(price_rows, lines, st.booleans(), st.booleans())
+@given(price_rows, lines, st.booleans(), st.booleans(), st.booleans())
 def test_the_numpy_carry_charges_what_the_sql_window_charges(rows: list, drawn: list,
-                                                             lossless: bool, split: bool) -> None:
+                                                             lossless: bool, split: bool,
+                                                             crowded: bool) -> None:
     conn = duckdb.connect()
     conn.execute("SET TimeZone = 'UTC'")
     plan = _plan(rows)
@@ -68,6 +70,10 @@ def test_the_numpy_carry_charges_what_the_sql_window_charges(rows: list, drawn: 
     # Lines of one event keep distinct line keys, as the plan's lines do.
     drawn = list({(d[0], d[3]): d for d in drawn}.values())
     events = [str(uuid.uuid4()) for _ in range(40)]
+    if crowded:
+        # Ids that share their leading bits (a sort key holds only the first bits of an id),
+        # some differing only in the last bits of their first half, some only in the second.
+        events = [f"7f3a91c2-5b04-4{e % 4:03x}-8000-{e // 4:012x}" for e in range(40)]
     _table(conn, drawn, events, len(rows))
     conn.execute(f"SET arrow_lossless_conversion = {lossless}")
     table = conn.sql("SELECT * FROM lines").to_arrow_table()
@@ -125,3 +131,35 @@ def test_no_lines_and_no_price_rows_cost_nothing() -> None:
                          "quantity_minor": pa.array([None], pa.int64()),
                          "price_key": pa.array([None], pa.int32())})
     assert carry_amounts(unpriced, PriceTerms.of([(1, 1, 1, 0, 1)])).to_pylist() == [None]
+
+
+@pytest.mark.parametrize("ids", ["random", "crowded", "one-word"])
+@pytest.mark.parametrize("instants", [1, 7, 5_000])
+def test_the_carry_order_is_group_instant_event_id_line_whatever_the_ties(ids: str, instants: int) -> None:
+    # Thousands of lines at each instant (clients that send seconds), and ids whose leading
+    # bits agree, so that the packed sort key alone cannot order them.
+    rng = np.random.default_rng(instants)
+    events = 3_000
+    if ids == "random":
+        high = rng.integers(0, 2 ** 63, events, dtype=np.int64).astype(np.uint64) * np.uint64(2)
+    elif ids == "crowded":
+        high = np.uint64(0x7F3A91C25B044000) + rng.integers(0, 4, events).astype(np.uint64)
+    else:
+        high = np.full(events, 0x7F3A91C25B044000, dtype=np.uint64)
+    low = rng.integers(0, 2 ** 63, events, dtype=np.int64).astype(np.uint64)
+    lines_of = rng.integers(1, 4, events)
+    event = np.repeat(np.arange(events), lines_of)
+    line_key = np.concatenate([np.arange(k) for k in lines_of]).astype(np.int64)
+    rng.shuffle(order := np.arange(len(event)))
+    event, line_key = event[order], line_key[order]
+    group = rng.integers(0, 3, len(event)).astype(np.int64)
+    occurred = 1_790_000_000_000_000 + rng.integers(0, instants, len(event)) * 1_000_000
+    rows = np.arange(len(event))
+
+    def tie_break(at: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return high[event[at]], low[event[at]], line_key[at]
+
+    got, groups = carry._carry_order(group, occurred, rows, tie_break)
+    wanted = np.lexsort((line_key, low[event], high[event], occurred, group))
+    assert (got == wanted).all()
+    assert (groups == group[wanted]).all()
