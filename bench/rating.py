@@ -2,6 +2,7 @@
 
     python bench/rating.py [--events 5000000] [--sizes 1000000,5000000,20000000]
                            [--repeat 3] [--chunk-events 500000] [--keep DIR]
+                           [--shape spread|seconds]
 
 For each size: N events across 1,000 accounts and 30 days go straight into a fresh lake (a
 bulk Arrow insert per million, no HTTP), with a generated catalog of three single-engine
@@ -54,6 +55,11 @@ from warehouse.lake import connect_lake  # noqa: E402
 
 ACCOUNTS = 1000
 DAYS = 30
+# The events' shapes: (accounts used, span of occurred_at in microseconds, its step). "spread"
+# is the default above; "seconds" is traffic from clients that send whole seconds, an hour of
+# it from ten accounts, so thousands of an account's events share each instant (the soak's
+# shape: its sweeps order those ties).
+SHAPES = {"spread": (ACCOUNTS, DAYS * 86_400_000_000, 1), "seconds": (10, 3_600_000_000, 1_000_000)}
 BATCH = 1_000_000
 # The payload paths the single-engine policies read (the aggregate one is rated per day).
 PATHS = ("$.usage.input_tokens", "$.usage.output_tokens", "$.status", "$.bytes")
@@ -89,7 +95,7 @@ SELECT uuid() AS event_id, 'bench' AS realm,
        CASE i % 10 WHEN 0 THEN 'seats.snapshot' WHEN 1 THEN 'storage.write'
             WHEN 2 THEN 'api.request' WHEN 3 THEN 'api.request' ELSE 'llm.completion' END AS event_type,
        TIMESTAMPTZ '2026-10-01 00:00:00+00'
-         + to_microseconds(CAST(hash(i * 7 + 1) % ({days} * 86400000000) AS BIGINT)) AS occurred_at,
+         + to_microseconds(CAST(hash(i * 7 + 1) % {span_us} // {step_us} * {step_us} AS BIGINT)) AS occurred_at,
        CAST(NULL AS VARCHAR) AS subject_ref,
        CAST(CASE i % 10
          WHEN 0 THEN '{{"seats":' || (hash(i) % 50) || '}}'
@@ -128,8 +134,9 @@ def catalog_text() -> str:
     return catalog.toml()
 
 
-def generate(data_dir: Path, events: int) -> float:
-    """Fill a fresh lake with `events` events and apply the catalog; seconds taken."""
+def generate(data_dir: Path, events: int, shape: str = "spread") -> float:
+    """Fill a fresh lake with `events` events of `shape` and apply the catalog; seconds taken."""
+    accounts, span_us, step_us = SHAPES[shape]
     began = time.monotonic()
     text = catalog_text()
     CatalogStore(data_dir / "catalog").apply(text, load_catalog(text).fingerprint)
@@ -137,7 +144,7 @@ def generate(data_dir: Path, events: int) -> float:
     conn.execute("SET enable_progress_bar = false")
     for export_id, first in enumerate(range(0, events, BATCH), start=1):
         batch = conn.execute(EVENTS_SQL.format(  # noqa: F841 (read by DuckDB below)
-            accounts=ACCOUNTS, days=DAYS, export_id=export_id, first=first,
+            accounts=accounts, span_us=span_us, step_us=step_us, export_id=export_id, first=first,
             last=min(events, first + BATCH))).to_arrow_table()
         conn.execute("INSERT INTO lake.events SELECT * FROM batch")
     conn.close()
@@ -173,11 +180,12 @@ def _cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _in_child(step: str, data_dir: Path, chunk_events: int, events: int = 0) -> dict[str, float]:
+def _in_child(step: str, data_dir: Path, chunk_events: int, events: int = 0,
+              shape: str = "spread") -> dict[str, float]:
     """Run a step in a fresh process; its result plus that process's peak RSS."""
     out = subprocess.run(
         [sys.executable, __file__, "--step", step, "--data-dir", str(data_dir),
-         "--chunk-events", str(chunk_events), "--events", str(events)],
+         "--chunk-events", str(chunk_events), "--events", str(events), "--shape", shape],
         check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -194,15 +202,16 @@ def _restore(folder: Path, pristine: Path) -> None:
     os.sync()
 
 
-def bench(events: int, chunk_events: int, keep: Path | None, repeat: int = 3) -> None:
+def bench(events: int, chunk_events: int, keep: Path | None, repeat: int = 3,
+          shape: str = "spread") -> None:
     folder = Path(tempfile.mkdtemp(prefix="tollgate-bench-", dir=keep))
     pristine = folder.with_name(folder.name + "-generated")
     try:
         # Generated in a process of its own too: a bench process that had generated the
         # lake itself measured its sweeps 10-15 % slower than the same sweeps started
         # from a fresh process (the same lake, restored from a copy).
-        seconds = _in_child("generate", folder, chunk_events, events)["seconds"]
-        print(f"events={events:,}: generated in {seconds:.1f} s", flush=True)
+        seconds = _in_child("generate", folder, chunk_events, events, shape)["seconds"]
+        print(f"events={events:,} shape={shape}: generated in {seconds:.1f} s", flush=True)
         if repeat > 1:
             shutil.copytree(folder, pristine, symlinks=True)
         # The lake just written goes to disk now, not during the steps measured (on 2 cores
@@ -253,12 +262,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-events", type=int, default=CHUNK_EVENTS)
     parser.add_argument("--repeat", type=int, default=3, help="sweeps per size (median shown)")
     parser.add_argument("--keep", type=Path, help="make the data folders here and keep them")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="spread",
+                        help="spread: 1,000 accounts over 30 days, in microseconds; seconds: 10"
+                             " accounts over an hour, in whole seconds (ties by the thousand)")
     parser.add_argument("--step", choices=("generate", "sweep", "raw"), help=argparse.SUPPRESS)
     parser.add_argument("--data-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.step:
         if args.step == "generate":
-            result = {"seconds": generate(args.data_dir, args.events)}
+            result = {"seconds": generate(args.data_dir, args.events, args.shape)}
         elif args.step == "sweep":
             result = run_sweep(args.data_dir, args.chunk_events)
         else:
@@ -269,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"nproc: {os.cpu_count()} (sched_getaffinity: {len(os.sched_getaffinity(0))})")
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else [args.events]
     for size in sizes:
-        bench(size, args.chunk_events, args.keep, max(args.repeat, 1))
+        bench(size, args.chunk_events, args.keep, max(args.repeat, 1), args.shape)
     return 0
 
 
