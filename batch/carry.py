@@ -214,6 +214,7 @@ def _ties_ordered(tied: np.ndarray, keys: np.ndarray, rows: np.ndarray,
     line key. Lines whose rank and leading bits agree but whose event ids differ are put in
     order by a lexsort of just them."""
     high, low, line_key = tie_break(rows[tied])
+    high, line_key = high.astype(np.uint64, copy=False), line_key.astype(np.int64, copy=False)
     rank = np.zeros(len(keys), dtype=np.int64)
     np.cumsum(keys[1:] != keys[:-1], out=rank[1:])
     line_bits = max(int(line_key.max()).bit_length(), 1)
