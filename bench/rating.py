@@ -15,6 +15,10 @@ memory (ru_maxrss) is the step's own:
   (json_extract_string per path, as an analyst would write it), run just before and just
   after the sweep (the machine's speed moves within minutes; their mean is the limit).
 
+With `--shape seconds` the events are instead ten accounts' over one hour, in whole seconds:
+the shape of clients that send seconds, where thousands of an account's lines tie at each
+instant and the carry must order them (docs/measurements.md, "Ties at one instant").
+
 The sweep's share of the raw scan's rate is printed last, with its CPU seconds against the
 raw scan's. `nproc` is printed first: the targets are for 2 cores.
 
