@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
+import time
 from concurrent.futures.process import _ExecutorManagerThread
 from datetime import datetime, timezone
+from pathlib import Path
 
 import msgspec
 
-from api.events.decoders import INLINE_BYTES, Decoders
+from api.events.decoders import INLINE_BYTES, Decoders, _start_process
 from api.events.prepare import prepare_batch
 from api.events.views import to_record
 from pipelines.events import ValidEvent, decode_event, validate_event
@@ -128,3 +133,46 @@ def test_a_stop_returns_once_the_pools_threads_have_ended() -> None:
         await decoders.stop()  # a second stop is harmless
 
     asyncio.run(scenario())
+
+
+def _start_once_orphaned(marker: str) -> None:
+    """A decoding process's start, run once the process that started it is gone."""
+    parent = multiprocessing.parent_process()
+    assert parent is not None
+    deadline = time.monotonic() + 20
+    while os.getppid() == parent.pid and time.monotonic() < deadline:
+        time.sleep(0.01)
+    _start_process()
+    with open(marker, "w") as out:
+        out.write("still here")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return any(line.split() == ["State:", "Z", "(zombie)"] for line in status)
+    except FileNotFoundError:
+        return True
+
+
+def test_a_decoding_process_whose_http_process_died_while_it_started_ends(tmp_path: Path) -> None:
+    # The HTTP process dies (a service stopped right after its start) before the decoding
+    # process it started has asked for the death signal: that process must end by itself,
+    # not wait for batches for good.
+    marker = tmp_path / "marker"
+    starter = ("import multiprocessing, os, sys\n"
+               "from tests.test_decoders import _start_once_orphaned\n"
+               "child = multiprocessing.get_context('spawn').Process(\n"
+               "    target=_start_once_orphaned, args=(sys.argv[1],))\n"
+               "child.start()\n"
+               "print(child.pid, flush=True)\n"
+               "os._exit(0)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", starter, str(marker)], cwd=root, check=True,
+                         capture_output=True, text=True, timeout=60)
+    pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 30
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(pid), "the orphaned decoding process is still running"
+    assert not marker.exists()

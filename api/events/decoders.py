@@ -47,12 +47,20 @@ _decode_prepared = msgspec.msgpack.Decoder(Prepared).decode
 
 
 def _start_process() -> None:
-    """In each decoding process: lower priority, and end with the HTTP process."""
+    """In each decoding process: lower priority, and end with the HTTP process.
+
+    The death signal covers a parent that dies from now on; one that died while this process
+    was starting (a service stopped or killed right after its start) has left it to init
+    already, and it would wait for batches for good: each process holds the write end of its
+    pool's queue, so no end of file ever comes. So it checks, after asking for the signal."""
     run_in_background()
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
+        os._exit(0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the service, which stops these
 
 
