@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -27,17 +26,9 @@ import sys
 from collections.abc import Iterator
 from types import FrameType
 
+from core.lifetime import end_with_parent
+
 __all__ = ["main"]
-
-
-def _die_with_parent(parent: int) -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    if os.getppid() != parent:  # the parent died before prctl ran
-        sys.exit(0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, required=True)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # see Server.capture_signals below
-    _die_with_parent(os.getppid())
+    if not end_with_parent(signal.SIGKILL, os.getppid()):  # the parent died before the request
+        return 0
 
     import uvicorn
 

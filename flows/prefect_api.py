@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import fcntl
 import json
 import os
@@ -44,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from core.layout import DataFolder, keep_private
+from core.lifetime import end_with_parent
 from core.settings import Settings
 
 __all__ = ["ApiDidNotStart", "flow_api", "local_api", "main", "server_environment"]
@@ -224,15 +224,6 @@ class _Activity:
         return 0.0 if self.open else time.monotonic() - self.last
 
 
-def _end_with_parent(parent_pid: int) -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass  # not Linux: the parent's session is ended by the service
-    if os.getppid() != parent_pid:
-        sys.exit(0)
-
-
 def _write_record(record: Path, url: str) -> None:
     tmp = record.with_name(record.name + ".tmp")
     tmp.write_text(json.dumps({"url": url, "pid": os.getpid()}))
@@ -257,8 +248,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="end with this process (the scheduler of `tollgate serve`)")
     args = parser.parse_args(argv)
     keep_private()
-    if args.parent_pid is not None:
-        _end_with_parent(args.parent_pid)
+    # With the scheduler as its parent it ends with it; started by hand, it lives on its own.
+    if args.parent_pid is not None and not end_with_parent(signal.SIGTERM, args.parent_pid):
+        return 0
     for name, value in {**_SERVER_ENV, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}.items():
         os.environ.setdefault(name, value)
     import uvicorn

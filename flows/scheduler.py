@@ -21,7 +21,6 @@ TOLLGATE_SCHEDULE_SECONDS changes intervals, e.g. `rate-events=30,compact-lake=4
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import signal
@@ -34,6 +33,7 @@ from types import FrameType
 
 from core.clock import SYSTEM_CLOCK, Clock
 from core.layout import keep_private
+from core.lifetime import end_with_parent
 from core.logs import setup_logging
 from core.schedules import SCHEDULED, Deployment, scheduled_with_overrides
 from core.settings import Settings
@@ -43,18 +43,6 @@ from flows.prefect_api import flow_api
 __all__ = ["main", "run_schedule"]
 
 log = logging.getLogger("tollgate.scheduler")
-
-
-def _end_with_parent(parent_pid: int | None) -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass  # not Linux: the service stops it itself
-    # A parent that died before prctl ran sends no signal: this process has been handed to
-    # another parent by then, so compare.
-    if parent_pid is not None and os.getppid() != parent_pid:
-        sys.exit(0)
 
 
 def _exit(signum: int, frame: FrameType | None) -> None:
@@ -245,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="stop when standard input ends (the service holds its other end)")
     args = parser.parse_args(argv)
     keep_private()
-    _end_with_parent(args.parent_pid)
+    if not end_with_parent(signal.SIGTERM, args.parent_pid):  # the parent died before the request
+        return 0
     if args.parent_pid is not None:
         _PARENT.append(args.parent_pid)
     signal.signal(signal.SIGTERM, _exit)

@@ -13,7 +13,6 @@ a killed service never leaves the file locked.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import logging
 import signal
@@ -27,6 +26,7 @@ import msgspec
 from core.clock import SYSTEM_CLOCK
 from core.constants import WRITER_JOURNAL_REFUSED
 from core.layout import DataFolder, keep_private
+from core.lifetime import end_with_parent
 from core.logs import setup_logging
 from core.settings import Settings
 from flows.process_memory import release_process_memory, settle_writer_memory
@@ -161,14 +161,6 @@ def _join_stored(parts: list[list[Any]]) -> list[Any]:
     return [stored for part in parts for stored in part]
 
 
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fd", type=int, required=True)
@@ -176,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", required=True)
     args = parser.parse_args(argv)
     keep_private()  # the operational file and the journal: 0600
-    _die_with_parent()
+    end_with_parent(signal.SIGKILL)
     # Ctrl-C in a terminal reaches the whole process group. The service stops on it and then
     # closes its end of the socket, which ends this loop after the last rows reach the file;
     # dying here first would skip that. (A dead service still takes this process with it.)

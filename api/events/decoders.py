@@ -22,7 +22,6 @@ the pool's lock; a thread closing that pipe at the same moment makes the exit pr
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import multiprocessing
 import os
@@ -34,6 +33,7 @@ from datetime import datetime
 import msgspec
 
 from api.events.prepare import Prepared, prepare_batch, prepare_batch_wire
+from core.lifetime import end_with_parent
 from core.priority import run_in_background
 
 __all__ = ["INLINE_BYTES", "STOP_SECONDS", "Decoders"]
@@ -54,12 +54,8 @@ def _start_process() -> None:
     already, and it would wait for batches for good: each process holds the write end of its
     pool's queue, so no end of file ever comes. So it checks, after asking for the signal."""
     run_in_background()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
     parent = multiprocessing.parent_process()
-    if parent is not None and os.getppid() != parent.pid:
+    if not end_with_parent(signal.SIGKILL, parent.pid if parent is not None else None):
         os._exit(0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the service, which stops these
 
