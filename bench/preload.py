@@ -51,7 +51,7 @@ def _body(seed: int, n: int, occurred_at: str) -> dict[str, Any]:
 
 
 def _chunk(seed: int, first_n: int, count: int, base_us: int, first_seq: int,
-           created_us: int, export_id: int) -> tuple[pa.Table, list[tuple[int, bytes, int, bytes]]]:
+           created_us: int, export_id: int) -> tuple[pa.Table, list[tuple[int, int, bytes, int, bytes]]]:
     """`count` events from counter `first_n`: the lake's rows and the index's entries. The
     facts' canonical JSON is assembled by hand in the order `pipelines.canonical` sorts it
     (checked against the service's own code for the first event of every run)."""
@@ -86,7 +86,8 @@ def _chunk(seed: int, first_n: int, count: int, base_us: int, first_seq: int,
         "payload": pa.array(payloads, pa.string()),
         "seq": pa.array(seqs, pa.int64()),
     })
-    entries = [(seq, raw, created_us, b"{}") for seq, raw in zip(seqs, raw_ids, strict=True)]
+    entries = [(seq, us, raw, created_us, b"{}")
+               for seq, us, raw in zip(seqs, occurred, raw_ids, strict=True)]
     return table, entries
 
 
@@ -123,7 +124,7 @@ def preload(data_dir: Path, count: int, *, seed: int = 0) -> dict[str, Any]:
         valid = validate_event(decode_event(json.dumps(first_body).encode()), realm=REALM,
                                billing_account_id=ACCOUNT, now=now, max_future_skew_seconds=300)
         _, entries0 = _chunk(seed, 0, 1, base_us, 1, created_us, 0)
-        if isinstance(valid, list) or valid.event_id != str(__import__("uuid").UUID(bytes=entries0[0][1])):
+        if isinstance(valid, list) or valid.event_id != str(__import__("uuid").UUID(bytes=entries0[0][2])):
             raise AssertionError(f"preload derives another event id than the service: {valid}")
         done = 0
         while done < count:

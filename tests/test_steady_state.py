@@ -126,16 +126,21 @@ def test_the_index_cache_stays_bounded_while_it_holds_many_more_ids(tmp_path: Pa
     index = EventIndex(tmp_path / "index", cache)
     before = _self_rss_mib()
     count = 1_500_000  # ~60 MiB of keys and values: far more than the cache holds
-    sample: list[bytes] = []
+    sample: list[tuple[int, bytes]] = []
     rnd = uuid.uuid4
     seq = 0
+    occurred = 1_795_000_000_000_000
     for _ in range(count // 1000):
+        occurred += 25_000  # 40,000 events a second, a thousand at each instant
         ids = [rnd().bytes for _ in range(1000)]
-        sample.append(ids[0])
-        index.add_events((seq := seq + 1, i, 1, b'{"k":"v"}') for i in ids)
+        sample.append((occurred, ids[0]))
+        index.add_events((seq := seq + 1, occurred, i, 1, b'{"k":"v"}') for i in ids)
     grew = _self_rss_mib() - before
     assert index.known(sample) == [True] * len(sample)
-    assert index.known([rnd().bytes for _ in range(1000)]) == [False] * 1000
+    assert index.known([(o, rnd().bytes) for o, _ in sample[:1000]]) == [False] * 1000
+    # The same id at another instant is another event's key (ids derive from the facts,
+    # occurred_at among them, so a repeat always carries its instant).
+    assert index.known([(o + 1, raw) for o, raw in sample[:10]]) == [False] * 10
     assert index.first_stored(sample[:1]) == [(1, b'{"k":"v"}')]
     # A Python set of the same ids would hold ~100 MiB; the index keeps its cache and memtables.
     assert grew < 80, grew
@@ -144,6 +149,28 @@ def test_the_index_cache_stays_bounded_while_it_holds_many_more_ids(tmp_path: Pa
     reopened = EventIndex(tmp_path / "index", cache)
     assert reopened.watermark == seq and reopened.known(sample[-3:]) == [True] * 3
     reopened.close()
+
+
+def test_an_index_written_with_id_only_keys_still_finds_its_events(tmp_path: Path) -> None:
+    """Indexes written before the key carried occurred_at hold b"e" + id: they are read as
+    they are, beside the new keys, with no migration."""
+    path = tmp_path / "index"
+    index = EventIndex(path, 8 << 20)
+    assert index.legacy is False
+    old = [uuid.uuid4().bytes for _ in range(50)]
+    for n, raw in enumerate(old):  # the former layout, written by hand
+        index.db[b"e" + raw] = (1000 + n).to_bytes(8, "big") + b'{"old":true}'
+    index.close()
+    index = EventIndex(path, 8 << 20)
+    assert index.legacy is True
+    new = [uuid.uuid4().bytes for _ in range(50)]
+    index.add_events((n + 1, 7_000_000 + n, raw, 2000 + n, b"{}") for n, raw in enumerate(new))
+    keys = [(123, raw) for raw in old] + [(7_000_000 + n, raw) for n, raw in enumerate(new)]
+    assert index.known(keys) == [True] * 100
+    assert index.known([(7_000_000, uuid.uuid4().bytes) for _ in range(20)]) == [False] * 20
+    assert index.first_stored([(5, old[3]), (7_000_002, new[2]), (0, bytes(16))]) == [
+        (1003, b'{"old":true}'), (2002, b"{}"), None]
+    index.close()
 
 
 NOW = datetime(2026, 11, 22, 12, 0, tzinfo=timezone.utc)

@@ -9,9 +9,14 @@ data read through a cache of bounded size (measured in docs/measurements.md, "Th
 
 Keys (one store, a byte prefix per kind):
 
-    b"e" + 16-byte event id      -> created_at (8 bytes, big-endian microseconds) + labels JSON:
+    b"E" + occurred_at + 16-byte event id
+                                 -> created_at (8 bytes, big-endian microseconds) + labels JSON:
                                     what a duplicate single-event reply shows, for every event
-                                    ever stored, also after it left the operational file
+                                    ever stored, also after it left the operational file.
+                                    occurred_at is 8 bytes, big-endian microseconds plus 2**63
+                                    (so that instants before 1970 sort first)
+    b"e" + 16-byte event id      -> the same, in indexes written before the key carried
+                                    occurred_at: read, never written (`EventIndex.legacy`)
     b"w"                         -> the highest event seq whose group is in the index
     b"i" + sha256(scope)         -> an idempotency record (msgpack: body digest, stored_at us,
                                     the outcome as msgpack)
@@ -20,6 +25,15 @@ Keys (one store, a byte prefix per kind):
     b"u" + ended_at us + sha256  -> nothing: the ended leases in order of time
     b"m"                         -> the latest ended_at of a lease put (the book reads the
                                     leases that ended after it, less a margin, from the file)
+
+Why occurred_at leads the key: an event id is a hash, so ids alone land all over the key
+range, and every flush of a memtable was merged into most of the level below it; the deeper the
+tree (the longer the history), the more often each id was rewritten, and the writer's CPU an
+event grew with history (docs/measurements.md, "Compaction as the index grows"). occurred_at is
+part of the facts the id is derived from (docs/api.md, POST /mgt/v1/events), so a repeat of an
+event carries the same occurred_at and finds the same key, and events arrive close to their
+business time: new keys land at the end of the range, where the flushes meet only the newest
+files. A late event lands among older keys and costs what every event cost before.
 
 The journal stays the truth. Events are put into the index by the writer right after their
 group is durable in the journal, in one write batch with the watermark (`w`), so the index
@@ -36,7 +50,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import struct
-import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -56,7 +69,9 @@ __all__ = ["EventIndex", "idempotency_digest", "open_rocks"]
 
 log = logging.getLogger("tollgate.writer")
 
-_EVENT = b"e"
+_EVENT = b"E"
+_EVENT_BY_ID = b"e"
+_SHIFT = 1 << 63
 _WATERMARK = b"w"
 _IDEM = b"i"
 _IDEM_TIME = b"t"
@@ -101,11 +116,15 @@ def idempotency_digest(realm: str, principal: str, endpoint: str, key: str) -> b
     return hashlib.sha256("\x00".join((realm, principal, endpoint, key)).encode()).digest()
 
 
-def event_key(event_id: str) -> bytes:
-    """>>> event_key("00000000-0000-0000-0000-000000000001").hex()
-    '6500000000000000000000000000000001'
+def event_key(occurred_us: int, raw_id: bytes) -> bytes:
+    """The index's key of an event: its occurred_at (UTC microseconds), then its 16-byte id.
+
+    >>> event_key(0, bytes.fromhex("00000000000000000000000000000001")).hex()
+    '45800000000000000000000000000000000000000000000001'
+    >>> event_key(-1, bytes(16)) < event_key(0, bytes(16)) < event_key(1, bytes(16))
+    True
     """
-    return _EVENT + uuid.UUID(event_id).bytes
+    return _EVENT + _U64.pack(occurred_us + _SHIFT) + raw_id
 
 
 class EventIndex:
@@ -117,16 +136,20 @@ class EventIndex:
         self.db = open_rocks(path, cache_bytes)
         raw = self.db.get(_WATERMARK)
         self.watermark = _U64.unpack(raw)[0] if raw is not None else 0
+        # An index written before the key carried occurred_at keeps its ids under b"e": a
+        # lookup that misses the new keys reads them too (one more Bloom filter probe).
+        self.legacy = self._has_prefix(_EVENT_BY_ID)
 
     # ---- events ---------------------------------------------------------------------
-    def add_events(self, rows: Iterable[tuple[int, bytes, int, bytes]]) -> int:
-        """Put events (seq, 16-byte id, created_at us, labels JSON) and move the watermark
-        to their highest seq, in one write batch; the number put."""
+    def add_events(self, rows: Iterable[tuple[int, int, bytes, int, bytes]]) -> int:
+        """Put events (seq, occurred_at us, 16-byte id, created_at us, labels JSON) and move
+        the watermark to their highest seq, in one write batch; the number put."""
         batch = WriteBatch(raw_mode=True)
         top = self.watermark
         n = 0
-        for seq, raw_id, created_us, labels in rows:
-            batch.put(_EVENT + raw_id, _U64.pack(created_us) + labels)
+        pack = _U64.pack
+        for seq, occurred_us, raw_id, created_us, labels in rows:
+            batch.put(_EVENT + pack(occurred_us + _SHIFT) + raw_id, pack(created_us) + labels)
             if seq > top:
                 top = seq
             n += 1
@@ -137,20 +160,30 @@ class EventIndex:
         self.watermark = top
         return n
 
-    def known(self, raw_ids: Sequence[bytes]) -> list[bool]:
-        """For each 16-byte id: is it stored?"""
-        if not raw_ids:
+    def _values(self, keys: Sequence[tuple[int, bytes]]) -> list[Any]:
+        """The stored value of each (occurred_at us, 16-byte id), None where it has none."""
+        if not keys:
             return []
-        values: list[Any] = self.db.get([_EVENT + k for k in raw_ids]) or []
-        return [v is not None for v in values]
+        pack = _U64.pack
+        values: list[Any] = self.db.get(
+            [_EVENT + pack(occurred_us + _SHIFT) + raw for occurred_us, raw in keys]) or []
+        if self.legacy:
+            missed = [i for i, v in enumerate(values) if v is None]
+            if missed:
+                older: list[Any] = self.db.get([_EVENT_BY_ID + keys[i][1] for i in missed]) or []
+                for i, value in zip(missed, older, strict=True):
+                    values[i] = value
+        return values
 
-    def first_stored(self, raw_ids: Sequence[bytes]) -> list[tuple[int, bytes] | None]:
-        """For each 16-byte id: (created_at us, labels JSON) as stored at first acceptance."""
-        if not raw_ids:
-            return []
+    def known(self, keys: Sequence[tuple[int, bytes]]) -> list[bool]:
+        """For each (occurred_at us, 16-byte id): is it stored?"""
+        return [v is not None for v in self._values(keys)]
+
+    def first_stored(self, keys: Sequence[tuple[int, bytes]]) -> list[tuple[int, bytes] | None]:
+        """For each (occurred_at us, 16-byte id): (created_at us, labels JSON) as stored at
+        first acceptance."""
         out: list[tuple[int, bytes] | None] = []
-        values: list[Any] = self.db.get([_EVENT + k for k in raw_ids]) or []
-        for value in values:
+        for value in self._values(keys):
             out.append(None if value is None else (_U64.unpack_from(value)[0], bytes(value[8:])))
         return out
 
@@ -168,11 +201,12 @@ class EventIndex:
                 break
             start = int(found[0][0]) - 1
             table = conn.execute(
-                "SELECT seq, event_id, epoch_us(created_at) AS created_us, labels::VARCHAR AS labels "
-                "FROM events WHERE seq > ? AND seq <= ? ORDER BY seq",
+                "SELECT seq, epoch_us(occurred_at), event_id, epoch_us(created_at) AS created_us, "
+                "labels::VARCHAR AS labels FROM events WHERE seq > ? AND seq <= ? ORDER BY seq",
                 [start, start + CATCH_UP_ROWS]).fetchall()
             total += self.add_events(
-                (int(seq), eid.bytes, int(created), labels.encode()) for seq, eid, created, labels in table)
+                (int(seq), int(occurred), eid.bytes, int(created), labels.encode())
+                for seq, occurred, eid, created, labels in table)
         if total:
             log.info("event index: caught up %d events from the operational file", total)
         return total
@@ -260,6 +294,13 @@ class EventIndex:
         """Delete up to `limit` leases that ended before `before_us`; the number deleted."""
         return self._expire(_LEASE_TIME, _LEASE, before_us, limit)
 
+    def _has_prefix(self, prefix: bytes) -> bool:
+        it = self.db.iter()
+        it.seek(prefix)
+        found = it.valid() and bytes(it.key()[:1]) == prefix
+        del it
+        return found
+
     def count_prefix(self, prefix: bytes) -> int:
         it = self.db.iter()
         it.seek(prefix)
@@ -304,22 +345,23 @@ class MemoryIndex:
         self.watermark = 0
         self._events: dict[bytes, tuple[int, bytes]] = {}
 
-    def add_events(self, rows: Iterable[tuple[int, bytes, int, bytes]]) -> int:
+    def add_events(self, rows: Iterable[tuple[int, int, bytes, int, bytes]]) -> int:
         n = 0
-        for seq, raw_id, created_us, labels in rows:
+        for seq, _occurred_us, raw_id, created_us, labels in rows:
             self._events[raw_id] = (created_us, labels)
             self.watermark = max(self.watermark, seq)
             n += 1
         return n
 
-    def known(self, raw_ids: Sequence[bytes]) -> list[bool]:
-        return [k in self._events for k in raw_ids]
+    def known(self, keys: Sequence[tuple[int, bytes]]) -> list[bool]:
+        return [raw in self._events for _, raw in keys]
 
-    def first_stored(self, raw_ids: Sequence[bytes]) -> list[tuple[int, bytes] | None]:
-        return [self._events.get(k) for k in raw_ids]
+    def first_stored(self, keys: Sequence[tuple[int, bytes]]) -> list[tuple[int, bytes] | None]:
+        return [self._events.get(raw) for _, raw in keys]
 
     def catch_up(self, conn: duckdb.DuckDBPyConnection) -> int:
         rows = conn.execute(
-            "SELECT seq, event_id, epoch_us(created_at), labels::VARCHAR FROM events WHERE seq > ?",
-            [self.watermark]).fetchall()
-        return self.add_events((int(s), e.bytes, int(c), lab.encode()) for s, e, c, lab in rows)
+            "SELECT seq, epoch_us(occurred_at), event_id, epoch_us(created_at), labels::VARCHAR "
+            "FROM events WHERE seq > ?", [self.watermark]).fetchall()
+        return self.add_events((int(s), int(o), e.bytes, int(c), lab.encode())
+                               for s, o, e, c, lab in rows)
