@@ -13,6 +13,7 @@ run is the in-process decode + validate + hash + DuckDB Arrow insert of the same
 
     python bench/soak.py [--minutes 10] [--clients 6] [--batch-size 1000] [--interval 30]
                          [--gate-clients 0] [--preload 0] [--keep DIR] [--warm]
+                         [--occurred now|hour]
 
 The targets (docs/measurements.md): the last interval's rate at least 90 % of the first's,
 the writer's RSS at the end within 10 % of minute 2, SIGTERM to exit 0 within 10 s, ready
@@ -67,24 +68,36 @@ def catalog_text(gate_clients: int) -> str:
 
 # One batch body with a slot per event for a counter: never-repeated events cost the load
 # generator a string format, not a JSON encode of a thousand objects.
-def batch_template(size: int) -> str:
+#
+# Two shapes of business time (`--occurred`):
+#   now   each batch's events occurred at the second it was made, each at its own microsecond
+#         (i % 1,000,000): work reported as it is done, the way a metered service sends it.
+#   hour  the shape of the runs recorded before 2026-11-28: the seconds of one business hour
+#         (2026-11-20 10:00 to 11:00) in turn, whole seconds, so an event's instant is its
+#         counter modulo 3,600: each instant holds hundreds of events (ties for the rating
+#         sweep's carry) and the index's keys are spread over the hour.
+OCCURRED = ("now", "hour")
+_STAMP = {"hour": '2026-11-20T10:%02d:%02dZ', "now": '%s.%06dZ'}
+
+
+def batch_template(size: int, occurred: str = "now") -> str:
     event = ('{"semantic_kind":"activity","event_type":"llm.completion",'
-             '"occurred_at":"2026-11-20T10:%02d:%02dZ","subject_ref":"soak-%d",'
+             '"occurred_at":"' + _STAMP[occurred] + '","subject_ref":"soak-%d",'
              '"payload":{"schema":2,"model":"m-large","usage":{"input_tokens":%d,"output_tokens":%d}},'
              '"labels":{"env":"prod","region":"eu-west"}}')
     return '{"events":[' + ",".join([event] * size) + "]}"
 
 
-def batch_values(start: int, size: int) -> tuple[int, ...]:
-    values: list[int] = []
-    for i in range(start, start + size):
-        values += (i // 60 % 60, i % 60, i, 1000 + i % 977, 200 + i % 311)
+def batch_values(start: int, size: int, occurred: str = "now") -> tuple[int | str, ...]:
+    values: list[int | str] = []
+    if occurred == "hour":
+        for i in range(start, start + size):
+            values += (i // 60 % 60, i % 60, i, 1000 + i % 977, 200 + i % 311)
+    else:
+        second = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
+        for i in range(start, start + size):
+            values += (second, i % 1_000_000, i, 1000 + i % 977, 200 + i % 311)
     return tuple(values)
-
-
-def first_event(start: int) -> bytes:
-    body = batch_template(1) % batch_values(start, 1)
-    return json.dumps(json.loads(body)["events"][0]).encode()
 
 
 # ---- the processes -----------------------------------------------------------------------
@@ -260,11 +273,13 @@ def make_folder(root: Path, gate_clients: int) -> tuple[Path, dict[str, str]]:
 
 # ---- load ----------------------------------------------------------------------------------
 class Load:
-    def __init__(self, port: int, key: dict[str, str], batch_size: int) -> None:
+    def __init__(self, port: int, key: dict[str, str], batch_size: int, occurred: str) -> None:
         self.port = port
         self.key = key
         self.batch_size = batch_size
-        self.template = batch_template(batch_size)
+        self.occurred = occurred
+        self.template = batch_template(batch_size, occurred)
+        self.first_event = b""
         self.next = 0
         self.events = 0
         self.refused = 0
@@ -281,7 +296,9 @@ class Load:
         path = "/mgt/v1/events/batch"
         while not self.stop:
             start, self.next = self.next, self.next + self.batch_size
-            body = (self.template % batch_values(start, self.batch_size)).encode()
+            body = (self.template % batch_values(start, self.batch_size, self.occurred)).encode()
+            if start == 0:
+                self.first_event = json.dumps(json.loads(body)["events"][0]).encode()
             status, reply = await conn.request("POST", path, self.signed(
                 path, body, billing_account_id=ACCOUNT), body)
             if status == 207:
@@ -382,6 +399,10 @@ def main(argv: list[str] | None = None) -> int:
                              " completed, so that every minute measured has their work in it"
                              " (without it the first minute has none: the flows' Prefect API"
                              " starts during it)")
+    parser.add_argument("--occurred", choices=OCCURRED, default="now",
+                        help="the events' business time: now (the wall clock, microseconds) or"
+                             " hour (one business hour's whole seconds in turn, the shape of"
+                             " the runs recorded before 2026-11-28)")
     args = parser.parse_args(argv)
 
     root = args.keep or Path(tempfile.mkdtemp(prefix="tollgate-soak-"))
@@ -390,14 +411,15 @@ def main(argv: list[str] | None = None) -> int:
     service = Service(data_dir, free_port())
     print(f"nproc={os.cpu_count()} python={sys.version.split()[0]} minutes={args.minutes:g}"
           f" clients={args.clients} batch={args.batch_size} gate_clients={args.gate_clients}"
-          f" preload={args.preload:,} warm={args.warm}"
+          f" preload={args.preload:,} warm={args.warm} occurred={args.occurred}"
           f" workers={os.environ.get('TOLLGATE_WORKERS', 'default')}",
           flush=True)
 
     from bench.ingest import raw_limit
 
-    raw_bodies = [(batch_template(args.batch_size) % batch_values(10**12 + i * args.batch_size,
-                                                                  args.batch_size)).encode()
+    template = batch_template(args.batch_size, args.occurred)
+    raw_bodies = [(template % batch_values(10**12 + i * args.batch_size, args.batch_size,
+                                           args.occurred)).encode()
                   for i in range(30)]
     raw = raw_limit(raw_bodies)
     print(f"raw limit (in-process decode+validate+hash+Arrow insert, same events): {raw:,.0f} events/s",
@@ -421,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         waited = wait_for_first_sweep(data_dir)
         print(f"warm: the schedules' first rate-events run completed {waited:.0f} s after ready;"
               f" RSS MiB {_fmt(rss_by_role(service.proc.pid))}", flush=True)
-    load = Load(service.port, key, args.batch_size)
+    load = Load(service.port, key, args.batch_size, args.occurred)
     rows: list[dict[str, Any]] = []
     try:
         run(drive(service, load, args, rows))
@@ -435,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
             rss_at[after] = rss_by_role(service.proc.pid)
         print(f"restart: ready after {restart:.1f} s; RSS MiB at ready {_fmt(rss_at[0.0])};"
               f" 20 s later {_fmt(rss_at[20.0])}", flush=True)
-        status, reply = run(single(service.port, load, first_event(0)))
+        status, reply = run(single(service.port, load, load.first_event))
         print(f"dedupe: first event of the run sent again -> {status}"
               f" {'duplicate' if status == 200 else reply.get('code')}", flush=True)
         if preloaded is not None:
