@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from typing import Any
 
 import msgspec
@@ -321,22 +322,29 @@ def main(argv: list[str] | None = None) -> int:
                bulk_budget=_events_of, bulk_group_budget=settings.writer_group_events,
                rider_budget=GATE_RIDER_EVENTS, split=_split_events, join=_join_stored,
                listener=listener, greeting=greeting)
+    stopping_at = time.monotonic()
     rate_singles()  # what the last tick did not reach
     try:
         store.close()  # everything into the file first, so the exporter's last round ships it
     except StorageUnavailable as exc:
         log.error("the operational file refuses the journal's last rows; they stay in the journal"
                   " and are applied at the next start: %s", exc)
+    applied_at = time.monotonic()
     stop.set()
     # Its last rounds fit in the service's stop (TOLLGATE_STOP_SECONDS, `api.supervisor`); a
     # round is one lake transaction, and what is left is exported after the next start.
     exporter_thread.join(timeout=min(5.0, settings.stop_seconds * 0.3))
+    exported_at = time.monotonic()
     try:
         retention.step(conn, force=True)  # what the last export let go, before the next start
     except Exception:
         log.exception("upkeep of the operational file at stop failed")
     conn.close()
     index.close()
+    log.info("writer stopped: journal applied in %.2f s, lake export ended in %.2f s%s, file"
+             " upkeep and close %.2f s", applied_at - stopping_at, exported_at - applied_at,
+             " (still running)" if exporter_thread.is_alive() else "",
+             time.monotonic() - exported_at)
     return 0
 
 
