@@ -20,7 +20,7 @@ them see the same settings.
 | TOLLGATE_METRICS                  | on           | Prometheus metrics: `on` (GET /metrics on the API's address), `off`, or `HOST:PORT` (a listener of their own) |
 | TOLLGATE_WORKERS                  | the cores this process may use | HTTP worker processes of `serve` (`--workers`; docs/operations.md) |
 | TOLLGATE_STOP_SECONDS             | 10           | how long `serve` takes at most to stop on SIGTERM or SIGINT (docs/operations.md) |
-| TOLLGATE_MAX_BACKLOG_ROWS         | 300000       | while the operational file refuses writes, the acknowledged rows the journal may hold beyond it; past it, writes get 503 (`warehouse.journal`) |
+| TOLLGATE_MAX_BACKLOG_ROWS         | 100000       | while the operational file refuses writes, the acknowledged rows the journal may hold beyond it; past it, writes get 503 (`warehouse.journal`) |
 | TOLLGATE_TEST_FULL_DISK_FILE      | (none)       | tests only: a file name in the data folder; while that file exists, the writer's applies to the operational file fail as on a full disk |
 | TOLLGATE_WRITER_MEMORY            | 1GiB         | the writer process's memory ceiling: DuckDB's memory limit and the event index's cache are cut from it (`writer.host`) |
 | TOLLGATE_OPERATIONAL_WINDOW_SECONDS | 3600       | how long exported events, rating rows and commits stay in the operational file (`warehouse.retention`) |
@@ -262,7 +262,7 @@ class Settings:
     stop_seconds: float = 10.0
     # While the operational file refuses writes, how many acknowledged rows the journal may
     # hold beyond it before writes are refused too (`warehouse.journal.JournaledStore`).
-    max_backlog_rows: int = 300_000
+    max_backlog_rows: int = 100_000
     # A test hook: a file name in the data folder whose presence fails every apply to the
     # operational file as a full disk would. Empty (no hook) unless a test sets it.
     test_full_disk_file: str = ""
@@ -298,7 +298,7 @@ class Settings:
             workers=workers if workers is not None else
             _positive_int(env, "TOLLGATE_WORKERS", usable_cores()),
             stop_seconds=_positive_seconds(env, "TOLLGATE_STOP_SECONDS", 10.0),
-            max_backlog_rows=_positive_int(env, "TOLLGATE_MAX_BACKLOG_ROWS", 300_000),
+            max_backlog_rows=_positive_int(env, "TOLLGATE_MAX_BACKLOG_ROWS", 100_000),
             test_full_disk_file=env.get("TOLLGATE_TEST_FULL_DISK_FILE", "").strip(),
             writer_memory=parse_bytes(env.get("TOLLGATE_WRITER_MEMORY", "").strip() or "1GiB",
                                       "TOLLGATE_WRITER_MEMORY"),

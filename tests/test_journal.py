@@ -3,7 +3,6 @@ once, a torn tail cut off."""
 
 from __future__ import annotations
 
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -231,84 +230,3 @@ def test_a_reply_the_wire_cannot_carry_answers_its_own_request_with_a_500() -> N
     frame = _reply_frame((2, True, {"amount": 2 ** 70}))
     rid, ok, failure = msgspec.msgpack.decode(frame[_LEN.size:])
     assert (rid, ok, failure["status"], failure["code"]) == (2, False, 500, "INTERNAL.ERROR")
-
-
-def _applier_idle(store: JournaledStore) -> None:
-    if store._thread is not None:
-        store._thread.join()
-    store._settle()
-
-
-def test_rows_wait_for_a_row_group_or_for_their_time_before_they_reach_the_file(tmp_path: Path) -> None:
-    """Rows go to the file a DuckDB row group at a time (`APPLY_ROWS`), or once the oldest
-    has waited `APPLY_AFTER_SECONDS` (sooner when they come too slowly to fill a row group in
-    that time): an apply that fills whole row groups is written once."""
-    conn = open_operational(tmp_path / "op.duckdb")
-    store = JournaledStore(conn, tmp_path / "journal")
-    store.APPLY_ROWS = 100
-    store.APPLY_AFTER_SECONDS = 3600.0
-    for n in range(1, 61):
-        store.commit({"lease_transitions": [_row(n)]})
-    store.materialize_soon()                          # 60 rows, fresh: they wait
-    _applier_idle(store)
-    assert _transitions(conn) == [] and store.pending_rows == 60
-    for n in range(61, 101):
-        store.commit({"lease_transitions": [_row(n)]})
-    store.materialize_soon()                          # a row group's worth: handed over
-    _applier_idle(store)
-    assert len(_transitions(conn)) == 100 and store.pending_rows == 0
-    store.APPLY_AFTER_SECONDS = 0.05
-    store.commit({"lease_transitions": [_row(101)]})
-    store.materialize_soon()
-    _applier_idle(store)
-    assert len(_transitions(conn)) == 100             # not yet old enough
-    time.sleep(0.1)
-    store.materialize_soon()                          # waited long enough
-    _applier_idle(store)
-    assert len(_transitions(conn)) == 101
-    # Rows that come too slowly to fill a row group within APPLY_AFTER_SECONDS go sooner.
-    store.APPLY_AFTER_SECONDS, store.APPLY_SOON_SECONDS = 10.0, 0.05
-    store.commit({"lease_transitions": [_row(102)]})
-    time.sleep(0.2)                                   # 1 row in 0.2 s: 50 in 10 s, not 100
-    store.materialize_soon()
-    _applier_idle(store)
-    assert len(_transitions(conn)) == 102
-    for n in range(103, 163):                         # 60 rows at once: 100 would come in time
-        store.commit({"lease_transitions": [_row(n)]})
-    time.sleep(0.1)
-    store.materialize_soon()
-    _applier_idle(store)
-    assert len(_transitions(conn)) == 102 and store.pending_rows == 60
-    store.close()
-    conn.close()
-
-
-def test_segments_move_on_while_rows_wait_and_a_crash_then_loses_none(tmp_path: Path) -> None:
-    """The journal starts its next segment when one is full even if no rows are applied (an
-    append past a prefilled segment makes each sync slower), and the full segments are kept
-    until the file holds their groups."""
-    conn = open_operational(tmp_path / "op.duckdb")
-    store = JournaledStore(conn, tmp_path / "journal")
-    store.SEGMENT_BYTES = 4096
-    store.APPLY_ROWS = 1_000_000
-    store.APPLY_AFTER_SECONDS = 3600.0
-    n = 0
-    for _ in range(4):
-        _wait_for_spare(store)
-        while store.journal.size < store.SEGMENT_BYTES:
-            n += 1
-            store.commit({"lease_transitions": [_row(n)]})
-        store.materialize_soon()                      # nothing is due: it only moves on
-    _applier_idle(store)
-    assert _transitions(conn) == []
-    assert len(list((tmp_path / "journal").glob("*.journal"))) == 5
-    assert store.journal.size == 0 and store.journal.prefilled
-    conn.close()                                      # a crash
-
-    conn = open_operational(tmp_path / "op.duckdb")
-    store = JournaledStore(conn, tmp_path / "journal")
-    assert store.recover() == n
-    assert _transitions(conn) == sorted(f"lease-{k}" for k in range(1, n + 1))
-    store.close()
-    assert list((tmp_path / "journal").glob("*.journal")) == []
-    conn.close()

@@ -364,36 +364,3 @@ def test_a_file_from_before_migration_5_keeps_its_events_and_loses_the_events_ke
     assert conn.execute("SELECT count(*), list(DISTINCT value_text) FROM event_labels").fetchone() \
         == (3, ["a"])
     conn.close()
-
-
-def test_the_file_is_checkpointed_on_time_while_its_wal_holds_anything(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rows applied a row group at a time leave the WAL nearly empty, so its size alone would
-    never call for a checkpoint, and the vacuum of every row group since the start would wait
-    for the stop: the upkeep checkpoints every `CHECKPOINT_SECONDS` while the WAL holds
-    anything."""
-    import warehouse.retention as retention_module
-    from warehouse.journal import JournaledStore
-    from warehouse.retention import Retention
-
-    path = tmp_path / "op.duckdb"
-    conn = open_operational(path)
-    conn.execute("CHECKPOINT")
-    store = JournaledStore(conn, tmp_path / "journal")
-    at = datetime(2026, 11, 1, 10, 0, tzinfo=timezone.utc)
-    store.commit({"lease_transitions": [(f"lease-{n}", "cancelled", at, None) for n in range(50)]})
-    store.materialize()
-    wal = path.with_name(path.name + ".wal")
-    assert wal.stat().st_size > 0
-    retention = Retention(path, 3600, lambda: 0, every_seconds=0.0)
-    monkeypatch.setattr(retention_module, "CHECKPOINT_SECONDS", 3600.0)
-    retention.step(conn)
-    assert retention.checkpoints == 0 and wal.stat().st_size > 0
-    monkeypatch.setattr(retention_module, "CHECKPOINT_SECONDS", 0.0)
-    retention.step(conn)
-    assert retention.checkpoints == 1
-    assert not wal.exists() or wal.stat().st_size == 0
-    retention.step(conn)                              # nothing since: no checkpoint
-    assert retention.checkpoints == 1
-    store.close()
-    conn.close()

@@ -9,9 +9,9 @@ authorize+commit pairs a second. An append to a file plus `fdatasync` costs 0.2 
 So a group is made durable by appending its rows (msgpack, with a CRC) to the journal
 (segment files under `journal/` in the data folder) and syncing it; only then are its
 replies sent. The rows are applied to the DuckDB file later, in one transaction for many
-groups, on a thread of their own (`materialize_soon`, once a DuckDB row group's worth waits
-or the oldest row has waited a few seconds: `APPLY_ROWS` says why), together with the number
-of the last group applied (`journal_state`); then the segments that held them are deleted. A commit to the file with a checkpoint took 30-200 ms
+groups, on a thread of their own (`materialize_soon`, on the writer's tick and when many
+rows wait), together with the number of the last group applied (`journal_state`); then the
+segments that held them are deleted. A commit to the file with a checkpoint took 30-200 ms
 here, which in the writer's loop was the p99 of every request. At start, `recover` applies
 every complete group after that number, so a `kill -9` between the two steps loses nothing
 and applies nothing twice; a torn last record (never acknowledged) is cut off. A bad record
@@ -287,30 +287,17 @@ class JournaledStore:
     it works, so the writer keeps deciding and journaling groups while a transaction (and
     now and then a checkpoint of 0.1-0.2 s) runs beside it."""
 
-    # Rows reach the file in transactions of about a DuckDB row group (122,880 rows). DuckDB
-    # writes the rows of a transaction that fills whole row groups straight into the file;
-    # those of a smaller one go through its write-ahead log and are written again by the
-    # checkpoint. Measured here, appending events in transactions of 10,000 rows cost 6.7 us
-    # of CPU a row (the commit with its checkpoints 5.3 of it), in transactions of 122,880
-    # about 1.9 (docs/measurements.md, "Applies of a row group"). So the tick hands rows
-    # over once a row group's worth waits, or once the oldest has waited APPLY_AFTER_SECONDS,
-    # or already APPLY_SOON_SECONDS when, at the rate rows came since, a row group would not
-    # fill within APPLY_AFTER_SECONDS anyway (so at low rates the file and the lake follow
-    # within about a second); after a group, at MAX_PENDING_ROWS; beyond twice that, the
-    # writer waits for the applier.
-    APPLY_ROWS = 122_880
-    APPLY_AFTER_SECONDS = 5.0
-    APPLY_SOON_SECONDS = 1.0
-    MAX_PENDING_ROWS = APPLY_ROWS
+    # Rows waiting beyond this are handed over at once; beyond twice this, the writer waits.
+    MAX_PENDING_ROWS = 50_000
     SEGMENT_BYTES = 16 << 20
     # At a start, the journal's groups reach the file in transactions of about this many rows.
-    RECOVERY_STEP_ROWS = APPLY_ROWS
+    RECOVERY_STEP_ROWS = 50_000
     # After a failed apply the next try waits this long, doubling up to the maximum.
     APPLY_RETRY_FIRST_SECONDS = 0.25
     APPLY_RETRY_MAX_SECONDS = 5.0
 
     def __init__(self, conn: duckdb.DuckDBPyConnection, journal_dir: Path, *,
-                 max_backlog_rows: int = 300_000, fault_file: Path | None = None) -> None:
+                 max_backlog_rows: int = 100_000, fault_file: Path | None = None) -> None:
         """`max_backlog_rows`: while the file refuses writes, how many journaled rows it may
         lack before the store refuses writes too (`refusing`). `fault_file`, for tests only:
         while that file exists, every apply to the file fails as on a full disk."""
@@ -322,7 +309,6 @@ class JournaledStore:
         journal_dir.mkdir(parents=True, exist_ok=True)
         self._pending: dict[str, list[tuple[Any, ...]]] = {}
         self._pending_rows = 0
-        self._pending_since = 0.0  # monotonic time of the oldest waiting row
         self._deferred: dict[str, list[tuple[Any, ...]]] = {}
         # For the writer's metrics: journal bytes appended by this process, those known to
         # be in the file (their difference is the backlog), and failed applies.
@@ -464,8 +450,6 @@ class JournaledStore:
         self._merge(tables)
 
     def _merge(self, tables: dict[str, list[tuple[Any, ...]]]) -> None:
-        if self._pending_rows == 0:
-            self._pending_since = time.monotonic()
         for table, rows in tables.items():
             self._pending.setdefault(table, []).extend(rows)
             self._pending_rows += len(rows)
@@ -587,37 +571,9 @@ class JournaledStore:
             self._done = None
             self._note_success()
 
-    def _apply_due(self) -> bool:
-        """Whether the waiting rows go to the file now (`APPLY_ROWS` says why they wait)."""
-        if self._failed is not None or self._pending_rows >= self.APPLY_ROWS:
-            return True
-        if self._pending_rows:
-            waited = time.monotonic() - self._pending_since
-            if waited >= self.APPLY_AFTER_SECONDS:
-                return True
-            # Rows come too slowly to fill a row group in time: no reason to hold them.
-            return (waited >= self.APPLY_SOON_SECONDS
-                    and self._pending_rows * self.APPLY_AFTER_SECONDS < self.APPLY_ROWS * waited)
-        return bool(self._deferred)
-
-    def _rotate_if_due(self) -> None:
-        """Start the next segment when the current one is full, whether or not rows are
-        applied now: appends beyond a prefilled segment make every sync slower."""
-        if self._rotation_due():
-            try:
-                self.journal = self._new_segment()
-            except OSError:
-                if not self._rotation_failed:
-                    log.warning("journal: could not start a new segment; %s stays in use",
-                                self.journal.path.name, exc_info=True)
-                self._rotation_failed = True
-            else:
-                self._rotation_failed = False
-
     def materialize_soon(self) -> None:
-        """Hand the waiting rows to the applier thread once they are due (`_apply_due`),
-        unless it is still busy (then they wait for the next call, or the writer waits if
-        far too many are waiting)."""
+        """Hand the waiting rows to the applier thread, unless it is still busy (then they
+        wait for the next call, or the writer waits if far too many are waiting)."""
         self._settle()
         if self._thread is not None:
             if self._pending_rows < 2 * self.MAX_PENDING_ROWS:
@@ -626,9 +582,7 @@ class JournaledStore:
             self._settle()
         if not self.retry_due():
             return  # the file refused the last try: wait out the pause
-        batch = self._take() if self._apply_due() else None
-        if batch is None:
-            self._rotate_if_due()
+        batch = self._take()
         if batch is None:
             if self.after_apply is not None and time.monotonic() - self._idle_upkeep_at > 2.0:
                 self._idle_upkeep_at = time.monotonic()

@@ -16,12 +16,7 @@ Each call deletes at most `STEP_ROWS` rows a table, from the lowest seq up, so a
 a bounded time; it runs on the journal's applier thread after a batch is applied (off every
 reply's path). When the file's write-ahead log has grown past `WAL_BOUND` it is checkpointed
 there too: DuckDB skips its automatic checkpoint while another connection (the lake
-exporter's) has a transaction open, and the WAL grew to 2.2 GB in 10 minutes of load. And it
-is checkpointed every `CHECKPOINT_SECONDS` while its WAL holds anything: rows applied a row
-group at a time are written straight into the file and leave the WAL nearly empty, so neither
-bound would come, and the checkpoint that merges their partly filled row groups (DuckDB's
-vacuum) would wait for the stop, where after 10 minutes of load it took longer than the stop
-may (docs/measurements.md, "Applies of a row group").
+exporter's) has a transaction open, and the WAL grew to 2.2 GB in 10 minutes of load.
 """
 
 from __future__ import annotations
@@ -45,7 +40,6 @@ log = logging.getLogger("tollgate.writer")
 STEP_ROWS = 200_000
 WAL_BOUND = 64 << 20
 FORCE_WAIT_SECONDS = 1.0
-CHECKPOINT_SECONDS = 10.0
 # Ended leases are remembered for 7 days (`writer.gate.book.ENDED_LEASE_MEMORY`); a day more.
 GATE_MEMORY = timedelta(days=8)
 
@@ -72,7 +66,6 @@ class Retention:
         self.deleted = {t: 0 for t, _, _ in _TABLES} | {"commits": 0, "leases": 0}
         self.checkpoints = 0
         self.checkpoint_failures = 0
-        self._checkpointed_at = time.monotonic()
         # The lake exporter's hold on the file (`LakeExporter.op_lock`): a checkpoint waits
         # for it rather than fail on the exporter's transaction.
         self.exporter_lock = exporter_lock
@@ -141,8 +134,7 @@ class Retention:
             size = self.wal.stat().st_size
         except FileNotFoundError:
             return
-        stale = size > 0 and time.monotonic() - self._checkpointed_at >= CHECKPOINT_SECONDS
-        if size < WAL_BOUND and not force and not stale:
+        if size < WAL_BOUND and not force:
             return
         lock = self.exporter_lock
         if lock is not None and not lock.acquire(timeout=FORCE_WAIT_SECONDS):
@@ -163,7 +155,6 @@ class Retention:
             try:
                 conn.execute("CHECKPOINT")
                 self.checkpoints += 1
-                self._checkpointed_at = time.monotonic()
                 return
             except duckdb.Error:
                 time.sleep(0.01 * (attempt + 1))
@@ -175,7 +166,6 @@ class Retention:
         try:
             conn.execute("FORCE CHECKPOINT")
             self.checkpoints += 1
-            self._checkpointed_at = time.monotonic()
         except (duckdb.Error, RuntimeError) as exc:
             self.checkpoint_failures += 1
             log.warning("checkpoint of the operational file failed (%s); retrying later", exc)
