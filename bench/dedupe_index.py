@@ -157,12 +157,16 @@ def main() -> None:
         insert_s += time.perf_counter() - t
         done += n
         if done in checkpoints or done % 2_000_000 == 0:
+            span = max(done - done_at, 1)  # the ids since the last busy line
             for phase in ("busy", "settled") if done in checkpoints else ("busy",):
                 waited = store.settle() if phase == "settled" else 0.0
-                cpu_per_id = (cpu_s() - cpu_at) / max(done - done_at, 1) * 1e6
+                # busy: CPU an id of the inserts since the last line; settled: CPU an id of
+                # the wait for the compactions those inserts left (the same ids)
+                cpu_per_id = (cpu_s() - cpu_at) / span * 1e6
                 measure(store, rnd, stored, done, insert_s, path, phase, waited, args.keys,
                         cpu_per_id)
-                cpu_at, done_at = cpu_s(), done
+                cpu_at = cpu_s()
+            done_at = done
     # The raw limit: a set of the same number of ints (the index this replaces), its lookups.
     n = min(args.count, 1_000_000)
     ints = {rnd.getrandbits(128) for _ in range(n)}
