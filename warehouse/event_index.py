@@ -147,9 +147,8 @@ class EventIndex:
         batch = WriteBatch(raw_mode=True)
         top = self.watermark
         n = 0
-        pack = _U64.pack
         for seq, occurred_us, raw_id, created_us, labels in rows:
-            batch.put(_EVENT + pack(occurred_us + _SHIFT) + raw_id, pack(created_us) + labels)
+            batch.put(event_key(occurred_us, raw_id), _U64.pack(created_us) + labels)
             if seq > top:
                 top = seq
             n += 1
@@ -164,9 +163,7 @@ class EventIndex:
         """The stored value of each (occurred_at us, 16-byte id), None where it has none."""
         if not keys:
             return []
-        pack = _U64.pack
-        values: list[Any] = self.db.get(
-            [_EVENT + pack(occurred_us + _SHIFT) + raw for occurred_us, raw in keys]) or []
+        values: list[Any] = self.db.get([event_key(occurred_us, raw) for occurred_us, raw in keys]) or []
         if self.legacy:
             missed = [i for i, v in enumerate(values) if v is None]
             if missed:
