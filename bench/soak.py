@@ -76,8 +76,8 @@ def catalog_text(gate_clients: int) -> str:
 #         (2026-11-20 10:00 to 11:00) in turn, whole seconds, so an event's instant is its
 #         counter modulo 3,600: each instant holds hundreds of events (ties for the rating
 #         sweep's carry) and the index's keys are spread over the hour.
-OCCURRED = ("now", "hour")
-_STAMP = {"hour": '2026-11-20T10:%02d:%02dZ', "now": '%s.%06dZ'}
+_STAMP = {"now": '%s.%06dZ', "hour": '2026-11-20T10:%02d:%02dZ'}
+OCCURRED = tuple(_STAMP)
 
 
 def batch_template(size: int, occurred: str = "now") -> str:
