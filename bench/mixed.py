@@ -46,6 +46,7 @@ from api.auth import sign_headers  # noqa: E402
 from bench.gate import bench_catalog  # noqa: E402
 from bench.ingest import raw_limit  # noqa: E402
 from bench.loopback import ROOT, Connection, Server, percentile, run, start_server  # noqa: E402
+from bench.soak import cores_by_role, cpu_by_pid  # noqa: E402
 
 GATE_CLIENTS = 4
 INGEST_CLIENTS = 6
@@ -178,6 +179,7 @@ class Phase:
     seconds: float
     tally: Tally
     metrics: tuple[dict, dict]
+    cores: dict[str, float] = field(default_factory=dict)
 
     @property
     def pairs_per_s(self) -> float:
@@ -204,7 +206,7 @@ def _ingest_process(server: Server, kind: str, run_id: str, start: int, pipe: An
                                for _ in range(INGEST_CLIENTS)))
 
     run(load())
-    pipe.send((tally.events, tally.refused))
+    pipe.send((tally.events, tally.refused, sum(os.times()[:2])))
 
 
 async def run_phase(server: Server, name: str, seconds: float, events: Events, *, gate: bool,
@@ -225,6 +227,7 @@ async def run_phase(server: Server, name: str, seconds: float, events: Events, *
             target=_ingest_process, args=(replace(server, proc=cast(Any, None)), ingest, events.run_id, events.n, theirs))
         loader.start()
         await asyncio.get_running_loop().run_in_executor(None, ours.recv)  # it has started
+    cpu_before = cpu_by_pid(server.proc.pid)
     t0 = time.perf_counter()
     until = t0 + seconds
     if loader is not None:
@@ -233,14 +236,21 @@ async def run_phase(server: Server, name: str, seconds: float, events: Events, *
     if gate:
         tasks += [gate_loop(server, f"solo-{i}", until, tally) for i in range(GATE_CLIENTS)]
     await asyncio.gather(*tasks)
+    loader_cpu = 0.0
     if loader is not None:
-        tally.events, tally.refused = await asyncio.get_running_loop().run_in_executor(None, ours.recv)
+        tally.events, tally.refused, loader_cpu = await asyncio.get_running_loop().run_in_executor(
+            None, ours.recv)
         loader.join()
     elapsed = time.perf_counter() - t0
+    cores = cores_by_role(cpu_before, cpu_by_pid(server.proc.pid), elapsed)
+    cores.pop("flow", None)  # the sweep's own processes end before this sample
+    cores["gate-load"] = cores.pop("load")  # this process: the gate's clients and the probe
+    if loader_cpu:
+        cores["event-load"] = loader_cpu / elapsed
     if sweeper is not None:
         sweeper.wait()
     after = await scrape(server)
-    return Phase(name, elapsed, tally, (before, after))
+    return Phase(name, elapsed, tally, (before, after), cores)
 
 
 async def hello_rate(server: Server, seconds: float) -> float:
@@ -281,6 +291,8 @@ def report(phase: Phase) -> str:
              f" ingest {_mean_ms(before, after, 'tollgate_writer_group_seconds', lane='ingest')}"
              f" (all {_mean_ms(before, after, 'tollgate_writer_group_seconds')}) ms;"
              f" commit {_mean_ms(before, after, 'tollgate_writer_commit_seconds')} ms (means)")
+    cores = " ".join(f"{role}={used:.2f}" for role, used in sorted(phase.cores.items()) if used >= 0.005)
+    where += f"\n    cores {cores} (sum {sum(phase.cores.values()):.2f})"
     return f"{phase.name:15}: {gate}  {ingest}{refused}\n{where}"
 
 
