@@ -1,11 +1,21 @@
-"""Background work runs at a lower CPU priority than the requests' path.
+"""Background work runs at a lower CPU priority than the requests' path, in two levels.
 
 On a machine whose cores are short, the HTTP processes and the writer's loop answer the gate
-and acknowledge events; everything that can wait uses the time they leave: the HTTP
-processes' batch decoders (`api.events.decoders`), the writer's applier, exporter and
-journal upkeep threads (`warehouse.journal`, `warehouse.export`), and every flow
-(`flows.workspace.open_lake`: the scheduled sweeps, reports and compactions, and flows run
-by hand beside a live service). Alone on a machine, niceness costs them nothing.
+and acknowledge events; everything that can wait uses the time they leave:
+
+- `BACKGROUND_NICENESS` (10): work the service's own throughput waits on. The HTTP
+  processes' batch decoders (`api.events.decoders`: a batch's reply waits for them), the
+  writer's applier, exporter and journal upkeep threads (`warehouse.journal`,
+  `warehouse.export`: the journal's backlog and the operational file's window wait for them).
+- `DEFERRED_NICENESS` (19): work that may fall behind for as long as the cores are short
+  without holding up a reply or the file. Every flow (`flows.workspace.open_lake`: the
+  scheduled sweeps, reports and compactions, and flows run by hand beside a live service)
+  and the schedules' process with its Prefect API (`flows.scheduler`). A sweep that runs
+  late rates more events at its next run; nothing acknowledged waits for it.
+
+Alone on a machine, niceness costs them nothing. Under full batch load the flows at 10 took
+their share beside the decoders at the same level (the minute's sweep, ~0.1-0.2 of 2 cores);
+at 19 they take mostly what the others leave (docs/measurements.md, "The 10-minute soak").
 
 Linux keeps niceness per thread; a thread (and a process) inherits it from the thread that
 starts it, so a flow's DuckDB and carrying threads, started after `run_in_background`, run
@@ -20,17 +30,24 @@ from __future__ import annotations
 import os
 import threading
 
-__all__ = ["BACKGROUND_NICENESS", "run_in_background"]
+__all__ = ["BACKGROUND_NICENESS", "DEFERRED_NICENESS", "run_deferred", "run_in_background"]
 
 BACKGROUND_NICENESS = 10
+DEFERRED_NICENESS = 19
 
 
-def run_in_background() -> None:
-    """Lower the calling thread's priority to `BACKGROUND_NICENESS` (never raise it: a thread
-    already lower stays so). Not Linux, or not allowed: it stays as it is."""
+def run_in_background(niceness: int = BACKGROUND_NICENESS) -> None:
+    """Lower the calling thread's priority to `niceness` (never raise it: a thread already
+    lower stays so). Threads and processes it starts afterwards inherit it. Not Linux, or not
+    allowed: it stays as it is."""
     try:
         me = threading.get_native_id()
-        if os.getpriority(os.PRIO_PROCESS, me) < BACKGROUND_NICENESS:
-            os.setpriority(os.PRIO_PROCESS, me, BACKGROUND_NICENESS)
+        if os.getpriority(os.PRIO_PROCESS, me) < niceness:
+            os.setpriority(os.PRIO_PROCESS, me, niceness)
     except (AttributeError, OSError):
         pass
+
+
+def run_deferred() -> None:
+    """Lower the calling thread to `DEFERRED_NICENESS`: the flows' level."""
+    run_in_background(DEFERRED_NICENESS)

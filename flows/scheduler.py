@@ -35,6 +35,7 @@ from core.clock import SYSTEM_CLOCK, Clock
 from core.layout import keep_private
 from core.lifetime import end_with_parent
 from core.logs import setup_logging
+from core.priority import run_deferred
 from core.schedules import SCHEDULED, Deployment, scheduled_with_overrides
 from core.settings import Settings
 from flows import flow_named
@@ -233,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="stop when standard input ends (the service holds its other end)")
     args = parser.parse_args(argv)
     keep_private()
+    # The schedules, their Prefect API (a child, which inherits it) and every flow they run
+    # may fall behind while the cores are short; the requests' path may not (core.priority).
+    run_deferred()
     if not end_with_parent(signal.SIGTERM, args.parent_pid):  # the parent died before the request
         return 0
     if args.parent_pid is not None:

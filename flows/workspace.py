@@ -16,7 +16,7 @@ import duckdb
 
 from batch.rating_runs import RatingLock
 from core.layout import DataFolder, keep_private
-from core.priority import run_in_background
+from core.priority import run_deferred
 from core.settings import Settings
 from flows.process_memory import release_process_memory, settle_process_memory
 from pipelines.catalog import Catalog, load_catalog
@@ -44,10 +44,11 @@ def scratch_dir(data_dir: Path) -> Path:
 
 def open_lake(data_dir: Path) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with the lake attached as `lake`, memory capped, in a process
-    whose allocators are set for flows (`flows.process_memory`), on a thread lowered to
-    background priority (`core.priority`) before DuckDB starts its threads from it."""
+    whose allocators are set for flows (`flows.process_memory`), on a thread lowered to the
+    flows' priority (`core.priority`, `DEFERRED_NICENESS`) before DuckDB starts its threads
+    from it."""
     settle_process_memory()
-    run_in_background()
+    run_deferred()
     keep_private()  # a flow run by a Prefect worker writes lake files too: 0600
     conn = connect_lake(data_dir)
     spill = scratch_dir(data_dir)

@@ -1,5 +1,5 @@
 """Background work runs below the requests' path (core/priority.py): a flow's connection
-lowers its thread, and the threads DuckDB starts for it, before they run."""
+lowers its thread, and the threads DuckDB starts for it, to the flows' level before they run."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from core.priority import BACKGROUND_NICENESS, run_in_background
+from core.priority import BACKGROUND_NICENESS, DEFERRED_NICENESS, run_deferred, run_in_background
 from flows.workspace import close_lake, open_lake
 
 
@@ -51,6 +51,21 @@ def test_a_background_thread_is_lowered_and_the_caller_is_not() -> None:
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux keeps niceness per thread")
+def test_deferred_work_goes_below_background_work_and_never_back_up() -> None:
+    seen: list[int] = []
+
+    def lowered() -> None:
+        run_deferred()
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        run_in_background()  # the higher level asked later: the thread stays lower
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    _in_a_thread(lowered)
+    assert DEFERRED_NICENESS > BACKGROUND_NICENESS
+    assert seen == [DEFERRED_NICENESS, DEFERRED_NICENESS]
+
+
 @pytest.mark.lake
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux keeps niceness per thread")
 def test_a_flows_connection_runs_its_duckdb_threads_in_the_background(tmp_path: Path) -> None:
@@ -67,6 +82,6 @@ def test_a_flows_connection_runs_its_duckdb_threads_in_the_background(tmp_path: 
             close_lake(conn)
 
     flow_thread = _in_a_thread(flow)
-    assert started.pop(flow_thread) >= BACKGROUND_NICENESS
+    assert started.pop(flow_thread) == DEFERRED_NICENESS
     assert started, "DuckDB started no thread of its own"
-    assert min(started.values()) >= BACKGROUND_NICENESS
+    assert min(started.values()) == DEFERRED_NICENESS

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from core.priority import DEFERRED_NICENESS
 from tests.conftest import Service, make_service, processes_of, stop_local_prefect_apis
 from tests.lake_events import LakeFeed, catalog_toml, event
 from tests.test_rating_flows import POLICIES, PRICES, lake_query
@@ -158,6 +159,25 @@ def test_a_scheduler_that_dies_is_started_again(tmp_path: Path,
     finally:
         svc.stop()
     assert not processes_of(svc.data_dir, "flows.scheduler")
+
+
+def test_the_schedules_run_below_the_requests_path(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler (and so every flow it runs, and its Prefect API) runs at the flows'
+    niceness; the HTTP workers and the writer stay where the service started (core/priority.py)."""
+    monkeypatch.setenv("TOLLGATE_SCHEDULES", "on")
+    svc = backlog_service(tmp_path, copies=1)
+    svc.start()
+    try:
+        [scheduler] = processes_of(svc.data_dir, "flows.scheduler")
+        wait_for(lambda: os.getpriority(os.PRIO_PROCESS, scheduler) >= DEFERRED_NICENESS, 20,
+                 "the scheduler to lower itself")
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        serving = processes_of(svc.data_dir, "writer.host") + processes_of(svc.data_dir, "api.worker")
+        assert serving, "no writer or HTTP worker found"
+        assert {os.getpriority(os.PRIO_PROCESS, pid) for pid in serving} == {mine}
+    finally:
+        svc.stop()
 
 
 @pytest.mark.parametrize(("value", "runs", "said"), [
