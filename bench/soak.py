@@ -3,7 +3,8 @@ at full batch speed for minutes, then stopped with SIGTERM and started again on 
 
 Every interval it prints the events/s of that interval (and the gate pairs/s with authorize
 p50/p99 when `--gate-clients` is given), each process's RSS and the cores it used (the load
-itself as `load`), and the sizes in the data folder.
+itself as `load`), the sizes in the data folder, and the writer's memory by part (its
+`tollgate_writer_memory_bytes` metric: DuckDB's buffers, glibc's heap, RocksDB's parts).
 At the end: the SIGTERM time and exit code, the restart time (until GET /healthz says ready),
 the writer's RSS after the restart, a dedupe check (the first event of the run, and with
 `--preload` the first event of the preloaded history, sent again: both must answer 200
@@ -199,6 +200,20 @@ def sizes(data_dir: Path) -> dict[str, float]:
         else:
             total = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
         out[entry.name] = total / 2**20
+    return out
+
+
+def writer_memory(data_dir: Path) -> dict[str, float]:
+    """MiB by part of the writer's memory, from its metrics file (`tollgate_writer_memory_bytes`)."""
+    try:
+        text = (data_dir / "metrics" / "writer.prom").read_text()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("tollgate_writer_memory_bytes{"):
+            part = line.split('part="', 1)[1].split('"', 1)[0]
+            out[part] = float(line.rsplit(" ", 1)[1]) / 2**20
     return out
 
 
@@ -447,7 +462,8 @@ async def drive(service: Service, load: Load, args: argparse.Namespace,
               f" stored={load.events:,}{gate}"
               f" | RSS MiB {_fmt(rss)} | data MiB {_fmt(folder)}"
               f" | cores {' '.join(f'{k}={v:.2f}' for k, v in sorted(cores.items()) if v >= 0.01)}"
-              f" (sum {sum(cores.values()):.2f})", flush=True)
+              f" (sum {sum(cores.values()):.2f})"
+              f" | writer MiB {_fmt(writer_memory(service.data_dir))}", flush=True)
         last_t, last_events, last_pairs, last_cpu = now, load.events, load.pairs, cpu
     load.stop = True
     await asyncio.gather(*tasks, return_exceptions=True)

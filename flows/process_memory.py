@@ -34,7 +34,7 @@ import ctypes.util
 import functools
 from collections.abc import Mapping
 
-__all__ = ["environment", "release_process_memory", "settle_process_memory",
+__all__ = ["environment", "heap_bytes", "release_process_memory", "settle_process_memory",
            "settle_writer_memory"]
 
 # glibc's mallopt parameters, and prctl's switch for transparent huge pages.
@@ -108,3 +108,20 @@ def release_process_memory() -> None:
     libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def heap_bytes() -> dict[str, int]:
+    """glibc's heap (every arena): bytes in use (with the large blocks it maps one by one)
+    and bytes freed but kept. Empty where glibc has no `mallinfo2` (not glibc, or before 2.33)."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        return {}
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    return {"heap_in_use": int(info.uordblks + info.hblkhd), "heap_kept_free": int(info.fordblks)}

@@ -126,6 +126,15 @@ def test_metrics_count_the_calls_made(service: Service) -> None:
     assert value(after, "tollgate_writer_last_tick_age_seconds") < 5
     for process in ("http", "writer"):
         assert value(after, "tollgate_process_resident_memory_bytes", process=process) > 10 << 20
+    # Where the writer's memory is: every part read, each a plausible size (the memtables hold
+    # at least the two events; glibc's heap holds at least the Python objects of the loop).
+    parts = {dict(labels)["part"]: v for (n, labels), v in after.items()
+             if n == "tollgate_writer_memory_bytes"}
+    assert {"duckdb_buffers", "index_block_cache", "index_memtables", "index_table_readers",
+            "heap_in_use", "heap_kept_free"} <= set(parts), parts
+    assert parts["index_memtables"] > 0 and parts["heap_in_use"] > 1 << 20
+    assert sum(parts.values()) < value(after, "tollgate_process_resident_memory_bytes",
+                                       process="writer") * 2
 
 
 def test_access_and_error_lines_carry_the_trace_id(service: Service) -> None:

@@ -327,6 +327,19 @@ class EventIndex:
                 pass
         return total
 
+    def memory(self) -> dict[str, int]:
+        """Bytes RocksDB holds in memory, by part: the block cache, the memtables, and the
+        table readers' Bloom filters and index blocks (outside the cache, `CACHE_FILTERS`)."""
+        parts = {"index_block_cache": "rocksdb.block-cache-usage",
+                 "index_memtables": "rocksdb.cur-size-all-mem-tables",
+                 "index_table_readers": "rocksdb.estimate-table-readers-mem"}
+        out = {}
+        for part, name in parts.items():
+            value = self.db.property_int_value(name)
+            if value is not None:
+                out[part] = int(value)
+        return out
+
     def close(self) -> None:
         try:
             self.db.flush_wal(True)

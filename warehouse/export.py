@@ -439,6 +439,13 @@ def run_exporter_thread(op_conn: duckdb.DuckDBPyConnection, data_dir: Path,
                     more_waiting = shipper.behind
                     pause = 0.0 if shipper.behind else interval
                 except Exception:
+                    if stop.is_set():
+                        # The writer closes the file when the service's stop bound for the
+                        # export has passed, also under a round: what is left goes after the
+                        # next start, exactly once (export ids), so this is no failure.
+                        log.info("lake export stopped with the writer; the rest is exported"
+                                 " after the next start")
+                        return
                     log.exception("lake export failed; retrying")
                     pause = min(max(pause, interval) * 2, 30.0)
                 # A round ships at most `batch_rows` rows a stream: when stopping with more

@@ -1,15 +1,18 @@
 """The writer process's metrics, written to `metrics/writer.prom` on every tick (`core.metrics`).
 
 Gathered here, in the writer: each group's size and time (`run_writer`'s `on_group`), and at
-each write the journal's backlog and apply failures (`JournaledStore`) and the lake export's
-progress (`LakeExporter`). Nothing here is on a reply's path but two histogram observations
-per group.
+each write the journal's backlog and apply failures (`JournaledStore`), the lake export's
+progress (`LakeExporter`) and where the writer's memory is (`tollgate_writer_memory_bytes`,
+read every `MEMORY_SECONDS`: what DuckDB's buffer manager counts, RocksDB's parts, glibc's
+heap; the rest of the RSS is code, DuckDB's allocations outside its buffer manager and what
+its allocator keeps). Nothing here is on a reply's path but two histogram observations per
+group.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from core.metrics import rss_family, write_registry
+from flows.process_memory import heap_bytes
 from warehouse.export import STREAMS, LakeExporter
 from warehouse.journal import JournaledStore
 from warehouse.writer import LoopStatus
@@ -26,6 +30,7 @@ __all__ = ["WriterMetrics"]
 
 GROUP_OPS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 GROUP_SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+MEMORY_SECONDS = 5.0
 
 
 class _StateCollector(Collector):
@@ -88,13 +93,27 @@ class _StateCollector(Collector):
                                     value=exporter.events_exported_at)
         yield GaugeMetricFamily("tollgate_writer_last_tick_timestamp_seconds",
                                 "When the writer's tick last ran (Unix time)", value=time.time())
+        memory = self.owner.memory_parts()
+        if memory:
+            parts = GaugeMetricFamily("tollgate_writer_memory_bytes",
+                                      "The writer's memory by part (read every few seconds)",
+                                      labels=["part"])
+            for part, value in sorted(memory.items()):
+                parts.add_metric([part], value)
+            yield parts
         yield rss_family("writer")
 
 
 class WriterMetrics:
     def __init__(self, store: JournaledStore, path: Path,
-                 exporter: LakeExporter | None = None, status: LoopStatus | None = None) -> None:
+                 exporter: LakeExporter | None = None, status: LoopStatus | None = None,
+                 memory_of: Callable[[], dict[str, int]] | None = None) -> None:
+        """`memory_of` returns the writer's own parts (DuckDB's and the index's), called from
+        the thread that calls `write`."""
         self.store = store
+        self.memory_of = memory_of
+        self._memory: dict[str, int] = {}
+        self._memory_at = 0.0
         self.exporter = exporter
         self.status = status
         self.path = path
@@ -127,6 +146,17 @@ class WriterMetrics:
             self._observe_commit(commit_seconds)
         else:
             self.group_failures += 1
+
+    def memory_parts(self) -> dict[str, int]:
+        """The last reading of the memory's parts, read again when `MEMORY_SECONDS` passed."""
+        now = time.monotonic()
+        if now - self._memory_at >= MEMORY_SECONDS:
+            self._memory_at = now
+            parts = dict(heap_bytes())
+            if self.memory_of is not None:
+                parts.update(self.memory_of())
+            self._memory = parts
+        return self._memory
 
     def write(self) -> None:
         write_registry(self.registry, self.path)
