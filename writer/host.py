@@ -64,9 +64,12 @@ RATE_STEP = 100  # single events rated inline per step between groups
 # Events of the ingest lane a gate group may take along (`run_writer`'s riders): a few single
 # events cost a gate group well under a millisecond, and each saves a journal sync.
 GATE_RIDER_EVENTS = 32
-# Every 20 s (ticks of 0.25 s) the writer gives glibc's freed pages back (`malloc_trim`): the
+# Every 2 s (ticks of 0.25 s) the writer gives glibc's freed pages back (`malloc_trim`): the
 # applier's Arrow inserts and the exporter free tens of MB a round, which glibc otherwise keeps.
-TRIM_TICKS = 80
+# Every 20 s, glibc kept 70-160 MiB between two trims under full batch load (its part of the
+# writer's RSS swinging by as much); what is given back is faulted in again as it is reused,
+# which at the rate the free part grew (~8 MiB/s) is a few milliseconds a second.
+TRIM_TICKS = 8
 
 
 def memory_shares(ceiling: int) -> tuple[int, int]:
