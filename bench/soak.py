@@ -20,9 +20,10 @@ The machine's own speed moves from minute to minute on a shared host (the same d
 a batch cost up to a quarter more CPU in one minute than in the next, measured by the
 decoding processes' CPU an event). So a probe process on each core (`SpeedProbe`) times, in
 its own CPU time, a fixed piece of the request path's work (decode and validate 100 events)
-every second, and each interval prints `speed`: the median of that interval's probes, averaged
-over the cores, against the first interval's (0.90 means the same work took 11 % more CPU). The summary gives the last
-interval's rate both as measured and at the first interval's speed.
+every second, and each interval prints `speed`: the median of that interval's probes,
+averaged over the cores, against the first interval's (0.90 means the same work took 11 %
+more CPU). The summary gives the last interval's rate both as measured and at the first
+interval's speed.
 
 The targets (docs/measurements.md): the last interval's rate at least 90 % of the first's,
 the writer's RSS at the end within 10 % of minute 2, SIGTERM to exit 0 within 10 s, ready
@@ -42,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -358,14 +360,11 @@ PROBE_EVENTS = 100
 PROBE_SECONDS = 1.0
 
 
-def _probe_work(body: bytes) -> float:
-    """CPU seconds (this thread's) to decode, validate and hash `body`'s events."""
-    import msgspec
-
+def _probe_work(body: bytes, decode: Any) -> float:
+    """CPU seconds (this thread's) to decode and validate `body`'s events (which derives each
+    event's id, a hash)."""
     from pipelines.events import ValidEvent, decode_event, validate_event
 
-    decode = msgspec.json.Decoder(dict[str, list[msgspec.Raw]]).decode
-    from datetime import datetime, timezone
     now = datetime.now(timezone.utc)
     t0 = time.thread_time()
     for raw in decode(body)["events"]:
@@ -379,14 +378,17 @@ def _speed_probe(body: bytes, cpu: int | None, conn: Any) -> None:
     """Until told to stop: every PROBE_SECONDS, the CPU time of one piece of work, on `cpu`."""
     import gc
 
+    import msgspec
+
     gc.disable()  # a collection's pause is not the machine's speed
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
+    decode = msgspec.json.Decoder(dict[str, list[msgspec.Raw]]).decode
     for _ in range(5):
-        _probe_work(body)  # warm
+        _probe_work(body, decode)  # warm
     while not conn.poll(PROBE_SECONDS):
-        _probe_work(body)  # the caches this process lost while it slept
-        conn.send(_probe_work(body))
+        _probe_work(body, decode)  # the caches this process lost while it slept
+        conn.send(_probe_work(body, decode))
 
 
 class SpeedProbe:
