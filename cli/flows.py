@@ -127,8 +127,12 @@ def run(name: Annotated[str, Parameter(metavar="NAME")], /, *,
         setup_logging("flows-run", settings.log_format)
     else:
         _console_without_tracebacks()
+    from core.priority import run_deferred
     from flows.prefect_api import ApiDidNotStart, flow_api
 
+    # A hand run beside a live service goes below it, as the scheduled runs do: this
+    # process, the Prefect API it may start (which inherits it) and the flow (core.priority).
+    run_deferred()
     try:
         with flow_api(settings.data_dir):
             state = flow(**params, return_state=True)

@@ -9,8 +9,9 @@ and acknowledge events; everything that can wait uses the time they leave:
   `warehouse.export`: the journal's backlog and the operational file's window wait for them).
 - `DEFERRED_NICENESS` (19): work that may fall behind for as long as the cores are short
   without holding up a reply or the file. Every flow (`flows.workspace.open_lake`: the
-  scheduled sweeps, reports and compactions, and flows run by hand beside a live service)
-  and the schedules' process with its Prefect API (`flows.scheduler`). A sweep that runs
+  scheduled sweeps, reports and compactions, and flows run by hand beside a live service),
+  the schedules' process with its Prefect API (`flows.scheduler`), and the process of a
+  hand run with the Prefect API it starts (`cli.flows`). A sweep that runs
   late rates more events at its next run; nothing acknowledged waits for it.
 
 Alone on a machine, niceness costs them nothing. Under full batch load the flows at 10 took

@@ -230,6 +230,8 @@ def test_a_hand_sweep_waiting_for_another_says_so_and_rates_once(tmp_path: Path)
     try:
         wait_for(lambda: "another rating run holds" in err.read_text(), 90, "the waiting notice")
         assert proc.poll() is None
+        # A hand run goes below the service as the scheduled ones do (core/priority.py).
+        assert os.getpriority(os.PRIO_PROCESS, proc.pid) == DEFERRED_NICENESS
     finally:
         os.close(fd)
     out, _ = proc.communicate(timeout=60)
