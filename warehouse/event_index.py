@@ -4,8 +4,8 @@ of the last 24 hours, in a RocksDB store under `<data>/index/` with a bounded bl
 Content dedupe has no expiry (docs/api.md, POST /mgt/v1/events), so the set of stored event ids grows
 with history. Held in a Python set it cost ~70 bytes an event in RAM and a full scan of the
 events table at every start; here an id costs about 24-28 bytes on disk (its value included,
-LZ4-compressed) and a Bloom filter of 10 bits an id, read like the data through a cache of
-bounded size (measured in docs/measurements.md, "The dedupe index").
+LZ4-compressed) and a Bloom filter of 10 bits an id held in memory (~60 MB at 50 M events),
+data read through a cache of bounded size (measured in docs/measurements.md, "The dedupe index").
 
 Keys (one store, a byte prefix per kind):
 
@@ -80,21 +80,18 @@ _LEASE_TIME = b"u"
 _LEASE_MARK = b"m"
 _U64 = struct.Struct(">Q")
 CATCH_UP_ROWS = 100_000
-# The Bloom filters (10 bits an id, ~1.25 bytes) and index blocks live in the block cache, so
-# the index's memory is bounded whatever the history. Held outside it with their tables they
-# grew 1.6 bytes an id (40 MiB in a 10-minute soak; ~1.6 GB at a billion events). With ids
-# alone as keys the cache cost too much (at 3 M ids an absent id 9.9 us against 2.3), since
-# every lookup met every file's filter; with keys that lead with occurred_at a new id meets
-# only the newest files', which stay cached: at 10 M ids through a 16 MiB cache (smaller than
-# the filters) an absent id cost 1.6-1.8 us against 1.7-1.9 outside, a stored id of any age
-# 17-20 us against 6-7 (docs/measurements.md, "The dedupe index").
-CACHE_FILTERS = True
+# The Bloom filters (10 bits an id, ~1.25 bytes) stay in memory with their tables rather than
+# compete in the block cache: measured at 3 M ids, an absent id cost 2.3 us against 9.9 (the
+# cached filters were mostly not consulted: RocksDB's key_may_exist said "maybe" for 99 % of
+# absent ids), a stored one 5.5 against 14.6. That memory grows with history, ~60 MB at 50 M
+# events (docs/measurements.md, The dedupe index).
+CACHE_FILTERS = False
 
 
 def open_rocks(path: Path, cache_bytes: int) -> Rdict:
-    """A RocksDB store of raw bytes whose memory is bounded: the block cache of `cache_bytes`
-    (its Bloom filters and index blocks included, `CACHE_FILTERS`), two memtables of a
-    sixteenth of it (at least 4 MiB each), a bounded number of open files."""
+    """A RocksDB store of raw bytes whose memory is bounded but for its Bloom filters (about
+    1.25 bytes an id, see `CACHE_FILTERS`): the block cache of `cache_bytes`, two memtables
+    of a sixteenth of it (at least 4 MiB each), a bounded number of open files."""
     path.mkdir(parents=True, exist_ok=True)
     opts = Options(raw_mode=True)
     opts.create_if_missing(True)
@@ -332,8 +329,7 @@ class EventIndex:
 
     def memory(self) -> dict[str, int]:
         """Bytes RocksDB holds in memory, by part: the block cache, the memtables, and the
-        table readers (what their files keep outside the cache; the Bloom filters and index
-        blocks are in the cache, `CACHE_FILTERS`)."""
+        table readers' Bloom filters and index blocks (outside the cache, `CACHE_FILTERS`)."""
         parts = {"index_block_cache": "rocksdb.block-cache-usage",
                  "index_memtables": "rocksdb.cur-size-all-mem-tables",
                  "index_table_readers": "rocksdb.estimate-table-readers-mem"}

@@ -79,7 +79,8 @@ def memory_shares(ceiling: int) -> tuple[int, int]:
     under batch load (docs/measurements.md, "The writer's memory"), the process's code and
     libraries take ~100 MiB, the Python heap with the groups in flight, the journal's pending
     rows and the exporter's Arrow batches up to ~120 MiB at its peaks, RocksDB's two
-    memtables (an eighth of its cache), and both allocators keep some of what they freed (DuckDB's jemalloc about a tenth of its limit).
+    memtables (an eighth of its cache) and Bloom filters (~1.25 bytes an id), and both
+    allocators keep some of what they freed (DuckDB's jemalloc about a tenth of its limit).
     With 40 % and 15 % the writer reached 1,063 MiB of a 1 GiB ceiling; with 30 % held as a
     pool, 1,010 MiB at its peak in a 10-minute soak.
 
