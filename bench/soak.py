@@ -3,7 +3,8 @@ at full batch speed for minutes, then stopped with SIGTERM and started again on 
 
 Every interval it prints the events/s of that interval (and the gate pairs/s with authorize
 p50/p99 when `--gate-clients` is given), each process's RSS and the cores it used (the load
-itself as `load`), the sizes in the data folder, and the writer's memory by part (its
+itself as `load`), the writer's RSS sampled every 0.5 s over the interval (min, median, max:
+each checkpoint of the operational file's WAL moves it by 100 MiB and more), the sizes in the data folder, and the writer's memory by part (its
 `tollgate_writer_memory_bytes` metric: DuckDB's buffers, glibc's heap, RocksDB's parts).
 At the end: the SIGTERM time and exit code, the restart time (until GET /healthz says ready),
 the writer's RSS after the restart, a dedupe check (the first event of the run, and with
@@ -432,6 +433,26 @@ class SpeedProbe:
             proc.join(timeout=5)
 
 
+def writer_pid(root: int) -> int | None:
+    return next((pid for pid in _descendants(root) if _role(pid) == "writer"), None)
+
+
+async def sample_writer_rss(root: int, into: list[float], every: float = 0.5) -> None:
+    """The writer's RSS in MiB every `every` seconds: within a second it moves by 100 MiB and
+    more (each checkpoint of the operational file's WAL), so one sample an interval is a draw
+    from that band; the interval's median and peak are not."""
+    pid = writer_pid(root)
+    while True:
+        try:
+            for line in (Path("/proc") / str(pid) / "status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    into.append(int(line.split()[1]) / 1024)
+                    break
+        except (OSError, TypeError):
+            pid = writer_pid(root)
+        await asyncio.sleep(every)
+
+
 async def drive(service: Service, load: Load, args: argparse.Namespace,
                 rows: list[dict[str, Any]], probe: SpeedProbe | None = None) -> None:
     tasks = [asyncio.create_task(load.batches()) for _ in range(args.clients)]
@@ -440,6 +461,8 @@ async def drive(service: Service, load: Load, args: argparse.Namespace,
     last_events = last_pairs = 0
     assert service.proc is not None
     last_cpu = cpu_by_pid(service.proc.pid)
+    samples: list[float] = []
+    sampler = asyncio.create_task(sample_writer_rss(service.proc.pid, samples))
     end = t0 + args.minutes * 60
     while time.monotonic() < end:
         await asyncio.sleep(min(args.interval, max(0.0, end - time.monotonic())))
@@ -450,25 +473,30 @@ async def drive(service: Service, load: Load, args: argparse.Namespace,
         cpu = cpu_by_pid(service.proc.pid)
         cores = cores_by_role(last_cpu, cpu, span)
         rss, folder = rss_by_role(service.proc.pid), sizes(service.data_dir)
+        band = sorted(samples) or [float("nan")]
+        samples.clear()
+        writer_band = (band[0], band[len(band) // 2], band[-1])
         work = probe.take() if probe is not None else float("nan")
         speed = rows[0]["probe"] / work if rows else 1.0
         row = {"t": now - t0, "events_s": (load.events - last_events) / span, "probe": work,
                "speed": speed,
                "pairs_s": (load.pairs - last_pairs) / span, "stored": load.events,
                "auth_p50": percentile(lat, 0.5) * 1e3, "auth_p99": percentile(lat, 0.99) * 1e3,
-               "rss": rss, "sizes": folder, "cores": cores}
+               "rss": rss, "sizes": folder, "cores": cores, "writer_band": writer_band}
         rows.append(row)
         gate = (f" pairs/s={row['pairs_s']:,.0f} auth p50/p99={row['auth_p50']:.1f}/"
                 f"{row['auth_p99']:.1f} ms" if args.gate_clients else "")
         print(f"t={row['t']:5.0f}s events/s={row['events_s']:,.0f} speed={speed:.2f}"
               f" stored={load.events:,}{gate}"
-              f" | RSS MiB {_fmt(rss)} | data MiB {_fmt(folder)}"
+              f" | RSS MiB {_fmt(rss)} | writer RSS min/median/max"
+              f" {'/'.join(f'{v:,.0f}' for v in writer_band)} | data MiB {_fmt(folder)}"
               f" | cores {' '.join(f'{k}={v:.2f}' for k, v in sorted(cores.items()) if v >= 0.01)}"
               f" (sum {sum(cores.values()):.2f})"
               f" | writer MiB {_fmt(writer_memory(service.data_dir))}", flush=True)
         last_t, last_events, last_pairs, last_cpu = now, load.events, load.pairs, cpu
     load.stop = True
-    await asyncio.gather(*tasks, return_exceptions=True)
+    sampler.cancel()
+    await asyncio.gather(*tasks, sampler, return_exceptions=True)
 
 
 async def single(port: int, load: Load, body: bytes) -> tuple[int, dict[str, Any]]:
@@ -594,6 +622,8 @@ def main(argv: list[str] | None = None) -> int:
         at_speed = last["events_s"] / max(first["events_s"], 1) / last["speed"]
         minute2 = next((r for r in rows if r["t"] >= 120), rows[0])
         w2, wl = minute2["rss"].get("writer", 0.0), last["rss"].get("writer", 0.0)
+        (_, m2, p2), (_, ml, pl) = minute2["writer_band"], last["writer_band"]
+        top = max(r["writer_band"][2] for r in rows)
         print(f"summary: first interval {first['events_s']:,.0f} events/s ({first['events_s'] / raw:.0%}"
               f" of raw), last {last['events_s']:,.0f} ({last['events_s'] / max(first['events_s'], 1):.0%}"
               f" of the first; target >= 90%; {at_speed:.0%} at the first interval's machine speed),"
@@ -601,6 +631,9 @@ def main(argv: list[str] | None = None) -> int:
               f" of the interval at {minute2['t']:.0f} s (the first with the schedules' sweeps"
               f" running); writer RSS {w2:,.0f} MiB at {minute2['t']:.0f} s,"
               f" {wl:,.0f} MiB at the end ({wl / max(w2, 1) - 1:+.0%}; target within 10%);"
+              f" over the interval (samples every 0.5 s) median {m2:,.0f} -> {ml:,.0f} MiB"
+              f" ({ml / max(m2, 1) - 1:+.0%}), peak {p2:,.0f} -> {pl:,.0f} MiB"
+              f" ({pl / max(p2, 1) - 1:+.0%}), highest peak {top:,.0f} MiB;"
               f" stop {stop_s:.1f} s (target <= 10 s, exit 0); restart {restart:.1f} s (target <= 10 s)")
     if args.keep is None:
         shutil.rmtree(root, ignore_errors=True)

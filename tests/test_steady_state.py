@@ -145,6 +145,11 @@ def test_the_index_cache_stays_bounded_while_it_holds_many_more_ids(tmp_path: Pa
     # A Python set of the same ids would hold ~100 MiB; the index keeps its cache and memtables.
     assert grew < 80, grew
     assert index.memory_bytes() < 4 * cache
+    # The Bloom filters (~1.25 bytes an id, ~1.8 MiB here) live in the bounded cache as
+    # partitions; what stays with the tables is their top level, which must not follow the ids.
+    parts = index.memory()
+    assert parts["index_table_readers"] < 256 << 10, parts
+    assert parts["index_block_cache"] <= cache + (1 << 20), parts
     index.close()
     reopened = EventIndex(tmp_path / "index", cache)
     assert reopened.watermark == seq and reopened.known(sample[-3:]) == [True] * 3

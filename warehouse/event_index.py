@@ -4,8 +4,10 @@ of the last 24 hours, in a RocksDB store under `<data>/index/` with a bounded bl
 Content dedupe has no expiry (docs/api.md, POST /mgt/v1/events), so the set of stored event ids grows
 with history. Held in a Python set it cost ~70 bytes an event in RAM and a full scan of the
 events table at every start; here an id costs about 24-28 bytes on disk (its value included,
-LZ4-compressed) and a Bloom filter of 10 bits an id held in memory (~60 MB at 50 M events),
-data read through a cache of bounded size (measured in docs/measurements.md, "The dedupe index").
+LZ4-compressed) and a Bloom filter of 10 bits an id, also on disk, cut into partitions that
+are read through the same cache of bounded size as the data (`FILTERS`; measured in
+docs/measurements.md, "The dedupe index"). What stays in memory beyond the cache is the top
+level of each file's partitions, a few bytes per thousand ids.
 
 Keys (one store, a byte prefix per kind):
 
@@ -57,6 +59,7 @@ from typing import Any
 import duckdb
 import msgspec
 from rocksdict import (
+    BlockBasedIndexType,
     BlockBasedOptions,
     Cache,
     DBCompressionType,
@@ -80,29 +83,42 @@ _LEASE_TIME = b"u"
 _LEASE_MARK = b"m"
 _U64 = struct.Struct(">Q")
 CATCH_UP_ROWS = 100_000
-# The Bloom filters (10 bits an id, ~1.25 bytes) stay in memory with their tables rather than
-# compete in the block cache: measured at 3 M ids, an absent id cost 2.3 us against 9.9 (the
-# cached filters were mostly not consulted: RocksDB's key_may_exist said "maybe" for 99 % of
-# absent ids), a stored one 5.5 against 14.6. That memory grows with history, ~60 MB at 50 M
-# events (docs/measurements.md, The dedupe index).
-CACHE_FILTERS = False
+# Where the Bloom filters (10 bits an id, ~1.25 bytes) and the index blocks live:
+# - "partitioned" (the default): cut into ~4 KiB partitions held in the block cache, with
+#   only their top-level index pinned in memory, so that memory is the cache's bound whatever
+#   the history. A whole-file filter of a compacted file (~2.5 MB) is larger than a shard of
+#   the cache; held there it was read again at each lookup, and the soak's ingestion fell by
+#   a third (docs/measurements.md, The dedupe index).
+# - "table": with each table, outside the cache. Fast, but ~1.6 bytes an id of RAM that grows
+#   with history (~80 MB at 50 M events, ~1.6 GB at 1 B).
+FILTERS = "partitioned"
+# Each of the two memtables: the size of a flush into level 0 (smaller memtables, more
+# flushes and more compaction CPU: docs/measurements.md, "Compaction as the index grows").
+WRITE_BUFFER = 8 << 20
 
 
 def open_rocks(path: Path, cache_bytes: int) -> Rdict:
-    """A RocksDB store of raw bytes whose memory is bounded but for its Bloom filters (about
-    1.25 bytes an id, see `CACHE_FILTERS`): the block cache of `cache_bytes`, two memtables
-    of a sixteenth of it (at least 4 MiB each), a bounded number of open files."""
+    """A RocksDB store of raw bytes whose memory is bounded: the block cache of `cache_bytes`
+    (the Bloom filter and index partitions included, see `FILTERS`), two memtables of
+    `WRITE_BUFFER` bytes, a bounded number of open files."""
     path.mkdir(parents=True, exist_ok=True)
     opts = Options(raw_mode=True)
     opts.create_if_missing(True)
     table = BlockBasedOptions()
     table.set_block_cache(Cache(max(cache_bytes, 8 << 20)))
     table.set_bloom_filter(10, False)
-    table.set_cache_index_and_filter_blocks(CACHE_FILTERS)
+    if FILTERS == "partitioned":
+        table.set_index_type(BlockBasedIndexType.two_level_index_search())
+        table.set_partition_filters(True)
+        table.set_metadata_block_size(4096)
+        table.set_cache_index_and_filter_blocks(True)
+        table.set_pin_top_level_index_and_filter(True)
+    else:
+        table.set_cache_index_and_filter_blocks(False)
     table.set_pin_l0_filter_and_index_blocks_in_cache(True)
     opts.set_block_based_table_factory(table)
     opts.set_compression_type(DBCompressionType.lz4())
-    opts.set_write_buffer_size(max(cache_bytes // 16, 4 << 20))
+    opts.set_write_buffer_size(WRITE_BUFFER)
     opts.set_max_write_buffer_number(2)
     opts.set_max_open_files(256)
     opts.set_max_background_jobs(1)
@@ -329,7 +345,7 @@ class EventIndex:
 
     def memory(self) -> dict[str, int]:
         """Bytes RocksDB holds in memory, by part: the block cache, the memtables, and the
-        table readers' Bloom filters and index blocks (outside the cache, `CACHE_FILTERS`)."""
+        table readers (the top-level index of each file's filter and index partitions, `FILTERS`)."""
         parts = {"index_block_cache": "rocksdb.block-cache-usage",
                  "index_memtables": "rocksdb.cur-size-all-mem-tables",
                  "index_table_readers": "rocksdb.estimate-table-readers-mem"}

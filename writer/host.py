@@ -75,19 +75,25 @@ TRIM_TICKS = 8
 def memory_shares(ceiling: int) -> tuple[int, int]:
     """How the writer's memory ceiling (TOLLGATE_WRITER_MEMORY) is cut: DuckDB's memory limit
     for the operational file (also the pool its blocks come from, held for good: see `main`)
-    and the event index's block cache, in bytes. The rest (about 63 %) is not slack: measured
+    and the event index's block cache, in bytes. The rest (about 72 %) is not slack: measured
     under batch load (docs/measurements.md, "The writer's memory"), the process's code and
     libraries take ~100 MiB, the Python heap with the groups in flight, the journal's pending
     rows and the exporter's Arrow batches up to ~120 MiB at its peaks, RocksDB's two
-    memtables (an eighth of its cache) and Bloom filters (~1.25 bytes an id), and both
+    memtables (8 MiB each) and the top level of its filters' and index's partitions, and both
     allocators keep some of what they freed (DuckDB's jemalloc about a tenth of its limit).
     With 40 % and 15 % the writer reached 1,063 MiB of a 1 GiB ceiling; with 30 % held as a
     pool, 1,010 MiB at its peak in a 10-minute soak.
 
+    The index's cache holds its Bloom filter and index partitions (`warehouse.event_index`):
+    new events' keys lead with their occurred_at, so their lookups read only the newest
+    partitions of each level, and 3 % held them at 27 M ids; a larger cache only filled with
+    partitions of files compaction had replaced (at 12 %, 122 MiB more of the writer's RSS
+    for the same lookups: docs/measurements.md, "The dedupe index").
+
     >>> [n >> 20 for n in memory_shares(1 << 30)]
-    [256, 122]
+    [256, 30]
     """
-    return int(ceiling * 0.25), int(ceiling * 0.12)
+    return int(ceiling * 0.25), int(ceiling * 0.03)
 
 
 def _idempotency_writer(index: EventIndex) -> Any:
