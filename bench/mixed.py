@@ -13,8 +13,10 @@ GET /healthz probe every 20 ms, which needs no writer), and where a gate call's 
 from the service's own metrics: the writer's reply time per lane as the HTTP process sees it,
 the writer's group time per lane, and the journal commit (append and fdatasync). Then the
 ratios of issue 17 item 1, `nproc`, the worker count, and the raw limits measured in the
-same run: GET /healthz per second on the same server and client (the HTTP limit) and the
-in-process decode+validate+hash+insert rate of batches (bench/ingest.py's raw limit).
+same run: GET /healthz per second on the same server and client (the HTTP limit), the
+in-process decode+validate+hash+insert rate of batches (bench/ingest.py's raw limit), and the
+cores limit: the cores 70 % of each phase alone would take at once, from the cores each
+process used in the phases alone, against `nproc`.
 
     python bench/mixed.py [--seconds 10] [--no-sweep]
 
@@ -310,6 +312,24 @@ def ratios(alone_gate: Phase, alone_ingest: Phase, both: Phase) -> str:
             f"(>= 70%: {mark(pairs >= .7)}), events/s {ingest:.0%} of alone (>= 70%: {mark(ingest >= .7)})")
 
 
+def cores_limit(alone_gate: Phase, alone_ingest: Phase, both: Phase) -> str:
+    """The raw limit of item 1's throughput half on this machine: the cores that 70 % of each
+    phase alone would take at once, against the cores there are (the service's own, and with
+    this bench's clients, which run on the same machine)."""
+    def service(phase: Phase) -> float:
+        return sum(v for k, v in phase.cores.items() if not k.endswith("-load"))
+
+    def total(phase: Phase) -> float:
+        return sum(phase.cores.values())
+
+    need = 0.7 * service(alone_gate) + 0.7 * service(alone_ingest)
+    need_all = 0.7 * total(alone_gate) + 0.7 * total(alone_ingest)
+    return (f"{both.name:15}: 70% of both alone needs {need:.2f} cores of the service's"
+            f" ({service(alone_gate):.2f} gate alone, {service(alone_ingest):.2f} {alone_ingest.name}),"
+            f" {need_all:.2f} with the clients; this machine has {os.cpu_count()};"
+            f" the phase used {service(both):.2f} ({total(both):.2f} with the clients)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=10.0)
@@ -345,6 +365,9 @@ def main() -> None:
     print("item 1 (isolation), each against its phase alone:")
     print(ratios(phases["gate alone"], phases["batch alone"], phases["batch + gate"]))
     print(ratios(phases["gate alone"], phases["singles alone"], phases["singles + gate"]))
+    print("cores limit of item 1's throughput half (cores each phase used alone, x 0.7, summed):")
+    print(cores_limit(phases["gate alone"], phases["batch alone"], phases["batch + gate"]))
+    print(cores_limit(phases["gate alone"], phases["singles alone"], phases["singles + gate"]))
     if "sweep + gate" in phases:
         sweep = phases["sweep + gate"]
         print(f"{'sweep + gate':15}: authorize p99 {sweep.p(.99):.1f} ms, "

@@ -37,6 +37,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -166,6 +167,7 @@ def rss_by_role(root: int) -> dict[str, float]:
     return out
 
 
+_ACCEPTED = re.compile(rb'"accepted_count":(\d+)')
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -327,10 +329,13 @@ class Load:
                 self.first_event = json.dumps(json.loads(body)["events"][0]).encode()
             status, reply = await conn.request("POST", path, self.signed(
                 path, body, billing_account_id=ACCOUNT), body)
-            if status == 207:
-                self.events += self.batch_size
-            else:
-                self.refused += self.batch_size
+            # A 207 counts what it accepted: when the storage refuses, every item says so.
+            found = (_ACCEPTED.search(reply, max(0, len(reply) - 512))
+                     or _ACCEPTED.search(reply)) if status == 207 else None
+            accepted = int(found.group(1)) if found else 0
+            self.events += accepted
+            if accepted < self.batch_size:
+                self.refused += self.batch_size - accepted
                 await asyncio.sleep(0.2)
         conn.close()
 
