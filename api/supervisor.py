@@ -52,7 +52,7 @@ from api.auth import NonceLog
 from api.metrics import http_metrics_folder, worker_ended
 from api.runtime import read_hello
 from api.shared import StateBook, serve_state
-from core.constants import WRITER_JOURNAL_REFUSED
+from core.constants import WRITER_JOURNAL_REFUSED, WRITER_REOPEN
 from core.layout import unix_socket_call
 from core.settings import Settings
 
@@ -263,7 +263,11 @@ class Supervisor:
             if code == WRITER_JOURNAL_REFUSED:
                 self._fail(REFUSED)
                 return
-            log.error("the writer process ended (exit code %s); starting a new one", code)
+            if code == WRITER_REOPEN:
+                log.warning("the writer process ended to reopen the operational file, which a"
+                            " failed write had invalidated; starting a new one")
+            else:
+                log.error("the writer process ended (exit code %s); starting a new one", code)
             while True:
                 now = time.monotonic()
                 while restarts and restarts[0] < now - RESTART_WINDOW_SECONDS:

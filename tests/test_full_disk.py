@@ -167,3 +167,48 @@ def test_a_writer_started_while_the_file_refuses_the_journal_waits_for_it_and_th
     conn = duckdb.connect(str(svc.data_dir / "operational.duckdb"), read_only=True)
     assert conn.execute("SELECT count(*) FROM events WHERE event_type = 'disk.restart'").fetchone() == (20,)
     conn.close()
+
+
+def test_a_database_the_full_disk_invalidated_is_reopened_by_a_new_writer_once_there_is_room(
+        fresh_service: Service, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a real full disk DuckDB may invalidate its database (an I/O error in its WAL or a
+    checkpoint): no later write on that connection can land, however much room comes back.
+    The test hook's `fatal` mode fails the apply that way. While the disk is full the writer
+    stays up and refuses; once it has room the writer process ends, the service starts a new
+    one, which reopens the file and applies the journal: nothing acknowledged is lost."""
+    svc = fresh_service
+    monkeypatch.setenv("TOLLGATE_TEST_FULL_DISK_FILE", "full-disk")
+    monkeypatch.setenv("TOLLGATE_MAX_BACKLOG_ROWS", str(BOUND))
+    monkeypatch.setenv("TOLLGATE_SCHEDULES", "off")
+    svc.start()
+    fault = svc.data_dir / "full-disk"
+    fault.write_text("fatal")
+    acknowledged: list[dict[str, Any]] = []
+    for _ in range(2 * BOUND):
+        body = _event("disk.fatal")
+        r = svc.post("/mgt/v1/events", body, account="acct_events")
+        if r.status_code == 201:
+            acknowledged.append(body)
+        else:
+            assert r.status_code == 503 and r.json()["code"] == "STORAGE.UNAVAILABLE", r.text
+    assert 0 < len(acknowledged) < 2 * BOUND  # refusals began (the bound: the test above)
+    _wait_for(lambda: svc.client.get(svc.base_url + "/healthz").status_code == 503, 10,
+              "not ready while the file refuses")
+    time.sleep(1.5)  # several retries while the disk is still "full": the writer stays
+    assert svc.client.get(svc.base_url + "/healthz").json()["data"]["writer"] == "running"
+
+    fault.unlink()
+    _wait_for(lambda: svc.client.get(svc.base_url + "/healthz").status_code == 200, 30,
+              "ready again with a new writer")
+    log = (svc.data_dir / "serve.log").read_text()
+    assert log.count("the writer process ended to reopen the operational file") == 1, log[-3000:]
+    for body in acknowledged:  # in the file: duplicates now
+        assert svc.post("/mgt/v1/events", body, account="acct_events").status_code == 200
+    fresh = _event("disk.fatal")
+    assert svc.post("/mgt/v1/events", fresh, account="acct_events").status_code == 201
+    svc.stop()
+    conn = duckdb.connect(str(svc.data_dir / "operational.duckdb"), read_only=True)
+    stored = {r[0] for r in conn.execute(
+        "SELECT subject_ref FROM events WHERE event_type = 'disk.fatal'").fetchall()}
+    conn.close()
+    assert stored == {b["subject_ref"] for b in acknowledged} | {fresh["subject_ref"]}

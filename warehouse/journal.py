@@ -87,6 +87,11 @@ class StorageUnavailable(Exception):
                 "headers": {"Retry-After": str(self.retry_after)}}
 
 
+def _invalidates(exc: BaseException) -> bool:
+    """Whether a failed write left DuckDB's database unusable until it is reopened."""
+    return isinstance(exc, duckdb.FatalException) or "database has been invalidated" in str(exc)
+
+
 def _brief(exc: BaseException) -> str:
     """An error in one line, for logs and answers."""
     text = " ".join(str(exc).split())
@@ -295,6 +300,7 @@ class JournaledStore:
     # After a failed apply the next try waits this long, doubling up to the maximum.
     APPLY_RETRY_FIRST_SECONDS = 0.25
     APPLY_RETRY_MAX_SECONDS = 5.0
+    ROOM_BYTES = 128 << 20
 
     def __init__(self, conn: duckdb.DuckDBPyConnection, journal_dir: Path, *,
                  max_backlog_rows: int = 100_000, fault_file: Path | None = None) -> None:
@@ -325,6 +331,11 @@ class JournaledStore:
         self._retry_at = 0.0
         self._retry_pause = 0.0
         self._rotation_failed = False
+        # Set when a failed write invalidated the file's database (DuckDB does so on an I/O
+        # error in its WAL or a checkpoint, such as a full disk): no later try on this
+        # connection can succeed, so the writer process ends once there is room again and a
+        # new one reopens the file and applies the journal (`has_room`, `warehouse.writer`).
+        self.lost = ""
         row = conn.execute("SELECT coalesce(max(applied_seq), 0) FROM journal_state").fetchone()
         self.applied_seq = int(row[0]) if row else 0
         self.seq = self.applied_seq
@@ -489,9 +500,26 @@ class JournaledStore:
             f" acknowledged rows wait for it (the bound is {self.max_backlog_rows}): retry",
             retry_after=wait)
 
+    def has_room(self) -> bool:
+        """Whether the data folder's disk could take the journal's backlog again: at least
+        `ROOM_BYTES` free beyond twice the bytes the file lacks (and no test fault)."""
+        if self.fault_file is not None and self.fault_file.exists():
+            return False
+        try:
+            fs = os.statvfs(self._dir.parent)
+        except OSError:
+            return False
+        lacking = max(0, self.journaled_bytes - self.applied_bytes)
+        return fs.f_bavail * fs.f_frsize >= self.ROOM_BYTES + 2 * lacking
+
     def _note_failure(self, exc: BaseException) -> None:
         """An apply failed (called from either thread): pause before the next try."""
         now = time.monotonic()
+        if not self.lost and _invalidates(exc):
+            self.lost = _brief(exc)
+            log.error("the operational file's database was invalidated by a failed write; this"
+                      " writer process ends once the disk has room again, and a new one reopens"
+                      " the file and applies the journal")
         self.apply_failures += 1
         self.last_apply_error = _brief(exc)
         self._retry_pause = min(self.APPLY_RETRY_MAX_SECONDS,
@@ -660,9 +688,14 @@ class JournaledStore:
             batch.deferred = {}
 
     def _check_fault(self) -> None:
-        """The test hook (`fault_file`): fail the apply as a full disk would."""
+        """The test hook (`fault_file`): fail the apply as a full disk would; when the file
+        says `fatal`, as DuckDB does when the full disk also invalidated its database."""
         fault = self.fault_file
         if fault is not None and fault.exists():
+            if fault.read_text().strip() == "fatal":
+                raise duckdb.FatalException(
+                    "FATAL Error: Failed: database has been invalidated because of a previous"
+                    f" fatal error (test fault: {fault.name} says fatal)")
             raise duckdb.IOException("Could not write to the operational file: No space left on"
                                      f" device (test fault: {fault.name} exists)")
 

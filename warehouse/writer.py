@@ -63,7 +63,7 @@ import msgspec
 from core.clock import SYSTEM_CLOCK, Clock
 from warehouse.journal import DirectStore, JournaledStore, StorageUnavailable
 
-__all__ = ["Handler", "LoopStatus", "RemoteFailure", "Transaction", "WriterClient", "run_writer",
+__all__ = ["Handler", "LoopStatus", "OperationalFileLost", "RemoteFailure", "Transaction", "WriterClient", "run_writer",
            "unavailable"]
 
 log = logging.getLogger("tollgate.writer")
@@ -71,6 +71,12 @@ _LEN = struct.Struct(">I")
 # How long the writer waits for a connection to take its replies before it drops it.
 PEER_SEND_SECONDS = 5.0
 _encode = msgspec.msgpack.Encoder().encode
+
+
+class OperationalFileLost(Exception):
+    """The operational file's database was invalidated by a failed write and the disk has
+    room again: the writer process ends so that a new one reopens the file and applies the
+    journal (`JournaledStore.lost`)."""
 
 
 class RemoteFailure(Exception):
@@ -395,6 +401,8 @@ def run_writer(
                 except Exception:
                     log.exception("handing rows to the applier failed")
         if time.monotonic() >= next_tick:
+            if store.lost and store.retry_due() and store.has_room():
+                raise OperationalFileLost(store.lost)
             try:
                 store.materialize_soon()
                 if status.stale and store.retry_due():

@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 
 from core.clock import SYSTEM_CLOCK
-from core.constants import WRITER_JOURNAL_REFUSED
+from core.constants import WRITER_JOURNAL_REFUSED, WRITER_REOPEN
 from core.layout import DataFolder, keep_private
 from core.lifetime import end_with_parent
 from core.logs import setup_logging
@@ -39,7 +39,7 @@ from warehouse.journal import JournalCorrupt, JournaledStore, StorageUnavailable
 from warehouse.operational import open_operational, schema_version
 from warehouse.outbox import EventOutbox
 from warehouse.retention import Retention
-from warehouse.writer import LoopStatus, run_writer
+from warehouse.writer import LoopStatus, OperationalFileLost, run_writer
 from writer.events.ingest import IngestHandler
 from writer.gate.book import GateBook
 from writer.metrics import WriterMetrics
@@ -340,13 +340,25 @@ def main(argv: list[str] | None = None) -> int:
     # never hold up a group.
     stop = threading.Event()
     exporter_thread = run_exporter_thread(conn, settings.data_dir, stop, exporter=exporter)
-    run_writer(store, sock, decode_request, handlers, on_rollback=rebuild, tick=tick, clock=clock,
-               after_group=after_group, tick_seconds=0.25,
-               on_group=metrics.on_group if metrics is not None else None,
-               read_only=frozenset({StandingOp}), status=status, bulk=BULK_OPS,
-               bulk_budget=_events_of, bulk_group_budget=settings.writer_group_events,
-               rider_budget=GATE_RIDER_EVENTS, split=_split_events, join=_join_stored,
-               listener=listener, greeting=greeting)
+    try:
+        run_writer(store, sock, decode_request, handlers, on_rollback=rebuild, tick=tick,
+                   clock=clock, after_group=after_group, tick_seconds=0.25,
+                   on_group=metrics.on_group if metrics is not None else None,
+                   read_only=frozenset({StandingOp}), status=status, bulk=BULK_OPS,
+                   bulk_budget=_events_of, bulk_group_budget=settings.writer_group_events,
+                   rider_budget=GATE_RIDER_EVENTS, split=_split_events, join=_join_stored,
+                   listener=listener, greeting=greeting)
+    except OperationalFileLost as lost:
+        # Every acknowledged group is in the journal; the file cannot take it on this
+        # connection. The index keeps what it holds (its log synced), the rest is the next
+        # process's to apply.
+        log.error("the operational file was invalidated (%s) and the disk has room again: this"
+                  " writer process ends, and a new one reopens the file and applies the journal",
+                  lost)
+        stop.set()
+        exporter_thread.join(timeout=2.0)
+        index.close()
+        return WRITER_REOPEN
     stopping_at = time.monotonic()
     rate_singles()  # what the last tick did not reach
     try:
