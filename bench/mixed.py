@@ -157,9 +157,11 @@ async def scrape(server: Server) -> dict[tuple[str, tuple[tuple[str, str], ...]]
         return found
     for family in text_string_to_metric_families(body.decode()):
         for sample in family.samples:
-            if sample.name.endswith(("_sum", "_count")):
+            if sample.name.endswith(("_sum", "_count", "_bucket")):
+                # A bucket's bound goes into its name, so the workers' samples add up per bound.
+                name = sample.name + (f"@{sample.labels['le']}" if "le" in sample.labels else "")
                 labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le"))
-                found[(sample.name, labels)] = found.get((sample.name, labels), 0.0) + sample.value
+                found[(name, labels)] = found.get((name, labels), 0.0) + sample.value
     return found
 
 
@@ -167,6 +169,21 @@ def _total(samples: dict, name: str, labels: dict[str, str]) -> float:
     """The sum of `name` over every label set that has `labels`."""
     wanted = set(labels.items())
     return sum(v for (n, key), v in samples.items() if n == name and wanted <= set(key))
+
+
+def _p99_ms(before: dict, after: dict, name: str, **labels: str) -> str:
+    """The histogram's 99th percentile over the phase, as the bucket bound that holds it
+    ("<=10": 99 % took at most 10 ms; ">2500": beyond the last bound)."""
+    bounds = sorted({n.partition("@")[2] for n, _ in after if n.startswith(f"{name}_bucket@")},
+                    key=float)
+    counts = [_total(after, f"{name}_bucket@{b}", labels) - _total(before, f"{name}_bucket@{b}", labels)
+              for b in bounds]
+    if not counts or counts[-1] <= 0:
+        return "-"
+    for bound, count in zip(bounds, counts, strict=True):
+        if count >= 0.99 * counts[-1]:
+            return "<=inf" if bound == "+Inf" else f"<={float(bound) * 1000:g}"
+    return "-"
 
 
 def _mean_ms(before: dict, after: dict, name: str, **labels: str) -> str:
@@ -293,6 +310,15 @@ def report(phase: Phase) -> str:
              f" ingest {_mean_ms(before, after, 'tollgate_writer_group_seconds', lane='ingest')}"
              f" (all {_mean_ms(before, after, 'tollgate_writer_group_seconds')}) ms;"
              f" commit {_mean_ms(before, after, 'tollgate_writer_commit_seconds')} ms (means)")
+    if t.pairs:
+        # Where the authorize tail is: the server's own time for the route (arrival to last
+        # byte), the writer's reply to the gate lane, and the groups of each lane.
+        where += (f"\n    p99 (histogram bucket) authorize in the server"
+                  f" {_p99_ms(before, after, 'tollgate_http_request_seconds', route='/mgt/v1/gate/authorize')} ms;"
+                  f" writer reply gate {_p99_ms(before, after, 'tollgate_writer_reply_seconds', lane='gate')} ms;"
+                  f" group gate {_p99_ms(before, after, 'tollgate_writer_group_seconds', lane='gate')}"
+                  f" ingest {_p99_ms(before, after, 'tollgate_writer_group_seconds', lane='ingest')} ms;"
+                  f" commit {_p99_ms(before, after, 'tollgate_writer_commit_seconds')} ms")
     cores = " ".join(f"{role}={used:.2f}" for role, used in sorted(phase.cores.items()) if used >= 0.005)
     where += f"\n    cores {cores} (sum {sum(phase.cores.values()):.2f})"
     return f"{phase.name:15}: {gate}  {ingest}{refused}\n{where}"
