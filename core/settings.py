@@ -45,7 +45,7 @@ backpressure"), each a positive number:
 
 | environment variable                  | default  | what it sets                                        |
 |---------------------------------------|----------|-----------------------------------------------------|
-| TOLLGATE_WRITER_GROUP_EVENTS          | 500      | events per ingest group of the writer (a larger op is cut); a gate op waits for at most one such group |
+| TOLLGATE_WRITER_GROUP_EVENTS          | 500      | events per ingest group of the writer (a larger op is cut), half as many while gate calls arrive; a gate op waits for at most one such group |
 | TOLLGATE_INGEST_QUEUE_BYTES           | 8388608  | body bytes of event requests an HTTP process holds until answered; past it: 503 `STORAGE.BUSY` |
 | TOLLGATE_DECODE_PROCESSES             | 1        | processes per HTTP process that decode, validate and hash event batches; 0: on the HTTP loop |
 """

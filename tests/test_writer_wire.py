@@ -171,6 +171,37 @@ def test_gate_ops_are_committed_before_waiting_ingest_ops_which_go_in_budgeted_g
     thread.join(10)
 
 
+def test_ingest_groups_are_cut_shorter_while_gate_ops_arrive() -> None:
+    """With no gate op lately, ingest groups take the whole budget; for `contended_seconds`
+    after a gate op they take the contended budget; then the whole budget again."""
+    ours, theirs = socket.socketpair()
+    decoder = msgspec.msgpack.Decoder(tuple[int, Ping | Bulk])
+    groups: list[tuple[str, int]] = []
+
+    def writer() -> None:
+        run_writer(_Store(), theirs, decoder.decode,  # type: ignore[arg-type]
+                   {Ping: _Double(), Bulk: _Count()},  # type: ignore[dict-item]
+                   on_rollback=lambda store: None, tick_seconds=30,
+                   on_group=lambda lane, ops, seconds, commit_s, ok: groups.append((lane, ops)),
+                   bulk=(Bulk,), bulk_budget=lambda op: op.events, bulk_group_budget=400,
+                   contended_budget=200, contended_seconds=1.0)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    four = b"".join(_frame((i, Bulk(100))) for i in range(1, 5))
+    ours.sendall(four)
+    assert [r[0] for r in _read_frames(ours, 4)] == [1, 2, 3, 4]
+    ours.sendall(_frame((5, Ping(1))) + b"".join(_frame((i, Bulk(100))) for i in range(6, 10)))
+    assert [r[0] for r in _read_frames(ours, 5)] == [5, 6, 7, 8, 9]
+    assert groups == [("ingest", 4), ("gate", 1), ("ingest", 2), ("ingest", 2)]
+    time.sleep(1.2)  # no gate op for longer than contended_seconds
+    ours.sendall(b"".join(_frame((i, Bulk(100))) for i in range(10, 14)))
+    assert [r[0] for r in _read_frames(ours, 4)] == [10, 11, 12, 13]
+    assert groups[4:] == [("ingest", 4)]
+    ours.close()
+    thread.join(10)
+
+
 def test_a_gate_op_arriving_while_ingest_ops_wait_goes_next() -> None:
     """Ingest ops waiting do not hold a gate op that arrives after them for more than one
     ingest group: the lanes alternate."""

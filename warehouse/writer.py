@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import select
 import socket
 import struct
@@ -233,6 +234,8 @@ def run_writer(
     bulk: tuple[type, ...] = (),
     bulk_budget: Callable[[Any], int] = lambda op: 1,
     bulk_group_budget: int = 1,
+    contended_budget: int | None = None,
+    contended_seconds: float = 1.0,
     rider_budget: int = 0,
     split: Callable[[Any, int], tuple[Any, Any]] | None = None,
     join: Callable[[list[Any]], Any] = lambda parts: parts,
@@ -257,6 +260,9 @@ def run_writer(
     costs `bulk_budget(op)`: its events; one op past the budget still forms its group), and
     after every ingest group the socket is read again. When both lanes wait they alternate,
     so a gate op waits for at most one ingest group and the ingest lane is never starved.
+    While gate ops are arriving (one came in the last `contended_seconds`), ingest groups
+    are cut at `contended_budget` units instead (when given): a gate op then waits behind a
+    shorter group, and ingestion alone keeps the larger groups, each one journal sync.
     Within a lane, ops are applied in arrival order. A gate group also takes the ingest ops at
     the head of their queue that fit `rider_budget` together (single events): they cost its
     group little, and save a commit (a journal sync) of their own.
@@ -289,6 +295,7 @@ def run_writer(
     ingest: deque[tuple[int, Any]] = deque()
     parts: dict[int, list[Any]] = {}  # outcomes of the committed parts of ops cut by `split`
     last_lane = "ingest"
+    last_gate = -math.inf  # when a gate op last arrived (monotonic seconds)
     sock.setblocking(False)
     status = status if status is not None else LoopStatus()
 
@@ -334,7 +341,11 @@ def run_writer(
                     continue
                 token = next(tokens)
                 origin[token] = (peer, rid)
-                (ingest if isinstance(op, bulk) else gate).append((token, op))
+                if isinstance(op, bulk):
+                    ingest.append((token, op))
+                else:
+                    gate.append((token, op))
+                    last_gate = time.monotonic()
             for rid, ok, value in theirs:
                 token = next(tokens)
                 origin[token] = (peer, rid)
@@ -356,19 +367,22 @@ def run_writer(
                 requests.append(request)
         elif ingest:
             lane, used = "ingest", 0
-            while ingest and used < bulk_group_budget:
+            budget = bulk_group_budget
+            if contended_budget is not None and time.monotonic() - last_gate < contended_seconds:
+                budget = contended_budget
+            while ingest and used < budget:
                 rid, op = ingest[0]
                 cost = bulk_budget(op)
-                if used + cost <= bulk_group_budget or (not requests and split is None):
+                if used + cost <= budget or (not requests and split is None):
                     ingest.popleft()
                     used += cost
                     requests.append((rid, op))
                 elif split is not None:
                     # The op's head goes in this group; its tail stays first in the queue, and
                     # the op is answered once its last part has committed.
-                    head, tail = split(op, bulk_group_budget - used)
+                    head, tail = split(op, budget - used)
                     ingest[0] = (rid, tail)
-                    used = bulk_group_budget
+                    used = budget
                     requests.append((rid, head))
                 else:
                     break

@@ -346,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                    on_group=metrics.on_group if metrics is not None else None,
                    read_only=frozenset({StandingOp}), status=status, bulk=BULK_OPS,
                    bulk_budget=_events_of, bulk_group_budget=settings.writer_group_events,
+                   contended_budget=max(1, settings.writer_group_events // 2),
                    rider_budget=GATE_RIDER_EVENTS, split=_split_events, join=_join_stored,
                    listener=listener, greeting=greeting)
     except OperationalFileLost as lost:
