@@ -192,6 +192,11 @@ def _mean_ms(before: dict, after: dict, name: str, **labels: str) -> str:
     return f"{total / count * 1000:.2f}" if count > 0 else "-"
 
 
+def _per_s(before: dict, after: dict, name: str, seconds: float, **labels: str) -> str:
+    count = _total(after, name, labels) - _total(before, name, labels)
+    return f"{count / seconds:,.0f}" if count > 0 else "-"
+
+
 @dataclass
 class Phase:
     name: str
@@ -309,7 +314,9 @@ def report(phase: Phase) -> str:
              f" group gate {_mean_ms(before, after, 'tollgate_writer_group_seconds', lane='gate')}"
              f" ingest {_mean_ms(before, after, 'tollgate_writer_group_seconds', lane='ingest')}"
              f" (all {_mean_ms(before, after, 'tollgate_writer_group_seconds')}) ms;"
-             f" commit {_mean_ms(before, after, 'tollgate_writer_commit_seconds')} ms (means)")
+             f" commit {_mean_ms(before, after, 'tollgate_writer_commit_seconds')} ms (means);"
+             f" groups/s gate {_per_s(before, after, 'tollgate_writer_group_seconds_count', phase.seconds, lane='gate')}"
+             f" ingest {_per_s(before, after, 'tollgate_writer_group_seconds_count', phase.seconds, lane='ingest')}")
     if t.pairs:
         # Where the authorize tail is: the server's own time for the route (arrival to last
         # byte), the writer's reply to the gate lane, and the groups of each lane.
