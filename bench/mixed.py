@@ -12,12 +12,11 @@ Per phase it prints gate pairs/s, authorize p50/p99, events/s, the HTTP loop's w
 GET /healthz probe every 20 ms, which needs no writer), and where a gate call's time goes
 from the service's own metrics: the writer's reply time per lane as the HTTP process sees it,
 the writer's group time and groups a second per lane, and the journal commit (append and
-fdatasync). Then the
-ratios of issue 17 item 1, `nproc`, the worker count, and the raw limits measured in the
-same run: GET /healthz per second on the same server and client (the HTTP limit), the
-in-process decode+validate+hash+insert rate of batches (bench/ingest.py's raw limit), and the
-cores limit: the cores 70 % of each phase alone would take at once, from the cores each
-process used in the phases alone, against `nproc`.
+fdatasync). Then the ratios of issue 17 item 1, `nproc`, the worker count, and the raw
+limits measured in the same run: GET /healthz per second on the same server and client
+(the HTTP limit), the in-process decode+validate+hash+insert rate of batches
+(bench/ingest.py's raw limit), and the cores limit: the cores 70 % of each phase alone would
+take at once, from the cores each process used in the phases alone, against `nproc`.
 
     python bench/mixed.py [--seconds 10] [--no-sweep]
 
