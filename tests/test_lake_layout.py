@@ -122,6 +122,8 @@ def _die_inside_a_catalog_write(catalog: str) -> None:
     import sqlite3
 
     db = sqlite3.connect(catalog, isolation_level=None)
+    # A lake from before its catalog was kept in WAL mode (the mode a hot journal needs).
+    db.execute("PRAGMA journal_mode = DELETE")
     db.execute("PRAGMA cache_size = 1")  # pages reach the file before the commit
     db.execute("BEGIN IMMEDIATE")
     db.execute("CREATE TABLE half_done (x)")
@@ -172,3 +174,53 @@ def test_a_lake_from_before_rating_lines_gets_them_and_priced_kinds(tmp_path: Pa
         (f"{EVENT}:0:a1b2c3", EVENT, "rated", "tokens.in", "tokens.in@x", 150, 150,
          datetime(2026, 11, 2, tzinfo=timezone.utc))]
     conn.close()
+
+
+def _hold_a_read_transaction(catalog: str, held: Any, release: Any) -> None:
+    import sqlite3
+
+    db = sqlite3.connect(catalog, isolation_level=None)
+    db.execute("BEGIN")
+    db.execute("SELECT count(*) FROM ducklake_snapshot").fetchall()
+    held.set()
+    release.wait(60)
+    db.execute("ROLLBACK")
+
+
+def _commit_a_run(data_dir: str, run_id: str) -> None:
+    conn = connect_lake(Path(data_dir))
+    conn.execute(f"INSERT INTO lake.rating_runs VALUES ('{run_id}', 'sweep', 'completed', now(),"
+                 " now(), '{}', 1, 1)")
+    conn.close()
+
+
+def test_a_commit_goes_through_while_another_process_reads_and_leaves_no_lock(tmp_path: Path) -> None:
+    """A reader's open transaction in another process (a sweep, `tollgate sql`) does not fail
+    a lake commit; and the lake stays open to every other connection afterwards. In SQLite's
+    rollback-journal mode the commit failed with "database is locked" after its busy wait
+    and its connection kept the catalog's PENDING lock until the process ended, so that the
+    next connection, here or in any process, waited for good."""
+    writer = connect_lake(tmp_path)
+    catalog, _ = lake_paths(tmp_path)
+    ctx = multiprocessing.get_context("spawn")
+    held, release = ctx.Event(), ctx.Event()
+    reader = ctx.Process(target=_hold_a_read_transaction, args=(str(catalog), held, release))
+    reader.start()
+    try:
+        assert held.wait(30)
+        writer.execute("INSERT INTO lake.rating_runs VALUES ('r1', 'sweep', 'completed', now(),"
+                       " now(), '{}', 1, 1)")
+    finally:
+        release.set()
+        reader.join(30)
+    writer.close()
+    other = ctx.Process(target=_commit_a_run, args=(str(tmp_path), "r2"))
+    other.start()
+    other.join(60)
+    assert other.exitcode == 0  # None: it waited for a lock nobody would release
+    check = connect_lake(tmp_path, read_only=True)
+    assert check.execute("SELECT run_id FROM lake.rating_runs ORDER BY run_id").fetchall() == [
+        ("r1",), ("r2",)]
+    check.close()
+    if other.is_alive():
+        other.kill()

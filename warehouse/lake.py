@@ -242,7 +242,14 @@ def attach_lake(conn: duckdb.DuckDBPyConnection, data_dir: Path, *, read_only: b
         raise FileNotFoundError(f"no lake at {catalog.parent}; start the service or apply a catalog first")
     catalog.parent.mkdir(parents=True, exist_ok=True)
     data.mkdir(parents=True, exist_ok=True)
-    options = f"DATA_PATH '{data}/'" + (", READ_ONLY" if read_only else "")
+    # A writable attach keeps the catalog in SQLite's WAL mode (the mode stays in the file;
+    # a read-only attach may not set it). In the rollback-journal mode a reader's open
+    # transaction (a sweep's, or an analyst's `tollgate sql`) made a lake commit fail with
+    # "database is locked" after its busy wait, and DuckDB's SQLite handle of that failed
+    # commit then held the catalog's PENDING lock until the process ended: every later lake
+    # connection of every process waited or failed (the export and the sweeps stopped).
+    # In WAL mode readers never block a commit. docs/operations.md, "The lake's catalog".
+    options = f"DATA_PATH '{data}/'" + (", READ_ONLY" if read_only else ", META_JOURNAL_MODE 'WAL'")
     attach = f"ATTACH 'ducklake:sqlite:{catalog}' AS {alias} ({options})"
     try:
         with_lake_retry(lambda: conn.execute(attach))
