@@ -9,6 +9,7 @@ from prefect import flow, get_run_logger
 
 from flows.workspace import close_lake, open_lake, resolve_data_dir
 from warehouse.compaction import compact_lake as compact
+from warehouse.lake import compaction_turn
 
 __all__ = ["compact_lake"]
 
@@ -16,9 +17,12 @@ __all__ = ["compact_lake"]
 @flow(name="compact-lake")
 def compact_lake(data_dir: str | None = None, retention_hours: float = 7 * 24) -> dict[str, Any]:
     """Compact the lake, keeping `retention_hours` of snapshots for time travel."""
-    conn = open_lake(resolve_data_dir(data_dir))
+    folder = resolve_data_dir(data_dir)
+    conn = open_lake(folder)
     try:
-        report = compact(conn, retention=timedelta(hours=retention_hours))
+        # The lake's exporter pauses meanwhile: its commits would make the merge's fail.
+        with compaction_turn(folder):
+            report = compact(conn, retention=timedelta(hours=retention_hours))
     finally:
         close_lake(conn)
     get_run_logger().info("merged %d files, expired %d snapshots, deleted %d files",

@@ -38,7 +38,7 @@ import pyarrow.compute as pc
 
 from core.clock import SYSTEM_CLOCK, Clock
 from core.priority import run_in_background
-from warehouse.lake import attach_lake, transaction, with_lake_retry
+from warehouse.lake import attach_lake, export_turn, transaction, with_lake_retry
 from warehouse.usage_days import rollup_rows_sql
 
 __all__ = ["BATCH_ROWS", "STREAMS", "ExportMismatch", "LakeExporter", "Watermark",
@@ -137,6 +137,15 @@ class LakeExporter:
             self._lake = None
 
     def _round(self, op_conn: duckdb.DuckDBPyConnection) -> dict[str, int]:
+        with export_turn(self.data_dir) as turn:
+            if not turn:
+                # The lake's compaction holds the lake (`warehouse.lake.compaction_turn`):
+                # nothing is exported until it ends; the rows wait in the operational file.
+                self.behind = False
+                return {s: 0 for s in STREAMS}
+            return self._round_in_turn(op_conn)
+
+    def _round_in_turn(self, op_conn: duckdb.DuckDBPyConnection) -> dict[str, int]:
         began = time.time()
         lake = self._lake_connection()
         with self.op_lock:
