@@ -24,6 +24,7 @@ them see the same settings.
 | TOLLGATE_TEST_FULL_DISK_FILE      | (none)       | tests only: a file name in the data folder; while that file exists, the writer's applies to the operational file fail as on a full disk |
 | TOLLGATE_WRITER_MEMORY            | 1GiB         | the writer process's memory ceiling: DuckDB's memory limit and the event index's cache are cut from it (`writer.host`) |
 | TOLLGATE_OPERATIONAL_WINDOW_SECONDS | 3600       | how long exported events, rating rows and commits stay in the operational file (`warehouse.retention`) |
+| TOLLGATE_LAKE_SNAPSHOT_HOURS      | 6            | how far back the lake's snapshots reach (time travel); older ones are expired every 10 minutes (`warehouse.export`) |
 
 The HTTP process's limits (docs/api.md, "Limits"), each a positive number:
 
@@ -270,6 +271,8 @@ class Settings:
     writer_memory: int = 1024 ** 3
     # How long rows stay in the operational file once the lake and the index hold them.
     operational_window_seconds: float = 3600.0
+    # How long the lake keeps its snapshots (TOLLGATE_LAKE_SNAPSHOT_HOURS, in seconds here).
+    lake_snapshot_seconds: float = 6 * 3600.0
 
     @staticmethod
     def from_env(data_dir: str | os.PathLike[str] | None = None, host: str | None = None,
@@ -303,6 +306,7 @@ class Settings:
             writer_memory=parse_bytes(env.get("TOLLGATE_WRITER_MEMORY", "").strip() or "1GiB",
                                       "TOLLGATE_WRITER_MEMORY"),
             operational_window_seconds=_positive_seconds(env, "TOLLGATE_OPERATIONAL_WINDOW_SECONDS", 3600.0),
+            lake_snapshot_seconds=3600.0 * _positive_seconds(env, "TOLLGATE_LAKE_SNAPSHOT_HOURS", 6.0),
             max_body_bytes=_positive_int(env, "TOLLGATE_MAX_BODY_BYTES", 16 * 1024 * 1024),
             max_header_bytes=_positive_int(env, "TOLLGATE_MAX_HEADER_BYTES", 32 * 1024),
             max_headers=_positive_int(env, "TOLLGATE_MAX_HEADERS", 100),

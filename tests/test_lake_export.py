@@ -22,6 +22,7 @@ import pytest
 
 from api.auth import sign_headers
 from api.events.views import to_record
+from core.clock import ManualClock
 from pipelines.events import EventIn, ValidEvent, validate_event
 from tests.conftest import Service
 from warehouse.export import ExportMismatch, LakeExporter, run_exporter_thread
@@ -152,6 +153,39 @@ def test_a_second_round_with_nothing_new_exports_nothing(tmp_path: Path, op: Ope
     assert exporter.export_once(op.conn)["events"] == 2
     assert lake_rows(tmp_path, "SELECT count(*), count(DISTINCT event_id), max(export_id) FROM lake.events") == [(5, 5, 2)]
     assert lake_rows(tmp_path, "SELECT count(*) FROM lake.rating_runs") == [(0,)]
+
+
+def test_the_exporter_expires_lake_snapshots_older_than_its_window(tmp_path: Path,
+                                                                  op: OperationalFile) -> None:
+    """Every round commits a snapshot, and every lake transaction reads the whole snapshot
+    table first: the exporter keeps only its window's (warehouse.compaction.expire_snapshots)."""
+    clock = ManualClock(datetime.now(timezone.utc))
+    exporter = LakeExporter(tmp_path, clock=clock, snapshot_window=timedelta(hours=6),
+                            expire_every=0.0)
+    for _ in range(6):
+        op.add_events(3)
+        assert exporter.export_once(op.conn)["events"] == 3
+    made = exporter.snapshots_kept
+    assert made >= 6 and exporter.snapshots_expired == 0  # none is 6 hours old yet
+
+    clock.advance(7 * 3600)  # every snapshot so far is now 7 hours old
+    op.add_events(2)
+    assert exporter.export_once(op.conn)["events"] == 2
+    assert exporter.snapshots_expired >= made - 1
+    assert exporter.snapshots_kept <= 2 and exporter.expire_failures == 0
+    lake = connect_lake(tmp_path, read_only=True)
+    try:
+        assert lake.execute("SELECT count(*) FROM ducklake_snapshots('lake')").fetchone() == (
+            exporter.snapshots_kept,)
+        # The rows stay: only the history of how they came is gone.
+        assert lake.execute("SELECT count(*), count(DISTINCT seq) FROM lake.events").fetchone() == (20, 20)
+    finally:
+        lake.close()
+
+    quiet = LakeExporter(tmp_path, clock=clock, snapshot_window=None)  # no window: none expired
+    op.add_events(1)
+    quiet.export_once(op.conn)
+    assert quiet.snapshots_expired == 0 and quiet.expire_failures == 0
 
 
 def test_micro_batches_keep_commit_order_and_never_split_a_commit(tmp_path: Path, op: OperationalFile) -> None:

@@ -247,6 +247,10 @@ def test_the_scheduler_and_the_exporter_report_their_progress(
         assert ("tollgate_sweep_lag_seconds", frozenset()) in samples
         assert value(samples, "tollgate_export_lag_seconds") < 30
         assert value(samples, "tollgate_export_events_last_timestamp_seconds") > 0
+        # The exporter's first round (at the writer's start) expired the lake's old snapshots
+        # and counted those kept: the lake's creation made some.
+        assert value(samples, "tollgate_lake_snapshots") >= 1
+        assert value(samples, "tollgate_lake_expire_failures_total") == 0
     finally:
         svc.stop()
         stop_local_prefect_apis(tmp_path)

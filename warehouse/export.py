@@ -29,7 +29,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import duckdb
@@ -38,6 +38,7 @@ import pyarrow.compute as pc
 
 from core.clock import SYSTEM_CLOCK, Clock
 from core.priority import run_in_background
+from warehouse.compaction import expire_snapshots
 from warehouse.lake import attach_lake, export_turn, transaction, with_lake_retry
 from warehouse.usage_days import rollup_rows_sql
 
@@ -48,6 +49,8 @@ log = logging.getLogger("tollgate.export")
 
 STREAMS: tuple[str, ...] = ("events", "commit_lines", "inline_ratings")
 BATCH_ROWS = 50_000
+# How often the exporter expires the lake's snapshots older than its window (`_expire_due`).
+EXPIRE_EVERY_SECONDS = 600.0
 
 # The run ids under which exported ratings appear, and the kind of each in lake.rating_runs.
 _RUN_KINDS = {"gate": "gate", "inline": "inline"}
@@ -96,10 +99,19 @@ class LakeExporter:
     lake connection it opens is used only by the thread that calls `export_once`."""
 
     def __init__(self, data_dir: Path, *, batch_rows: int = BATCH_ROWS,
-                 clock: Clock = SYSTEM_CLOCK) -> None:
+                 clock: Clock = SYSTEM_CLOCK, snapshot_window: timedelta | None = None,
+                 expire_every: float = EXPIRE_EVERY_SECONDS) -> None:
         self.clock = clock
         self.data_dir = data_dir
         self.batch_rows = batch_rows
+        # The lake's snapshots older than this are expired every `expire_every` seconds (the
+        # first time in the first round): None leaves them to the `compact-lake` flow.
+        self.snapshot_window = snapshot_window
+        self.expire_every = expire_every
+        self._expire_at = 0.0  # time.monotonic() of the next expiry
+        self.snapshots_expired = 0
+        self.snapshots_kept = 0  # after the last expiry
+        self.expire_failures = 0
         self.behind = False  # the last round left rows behind (a full batch)
         self._lake: duckdb.DuckDBPyConnection | None = None
         self._reconciled: set[str] = set()
@@ -143,7 +155,35 @@ class LakeExporter:
                 # nothing is exported until it ends; the rows wait in the operational file.
                 self.behind = False
                 return {s: 0 for s in STREAMS}
-            return self._round_in_turn(op_conn)
+            counts = self._round_in_turn(op_conn)
+            self._expire_due()
+            return counts
+
+    def _expire_due(self) -> None:
+        """Expire the lake's snapshots older than the window, when it is time (in the
+        exporter's turn, so the compaction never meets it). Each export round adds a
+        snapshot, about one a second under traffic, and every lake transaction reads the
+        whole snapshot table first (`warehouse.compaction.expire_snapshots`): kept for the
+        compaction's week they would have cost each round ~90 ms. A failure is logged and
+        tried again at the next time; it never fails the round."""
+        if self.snapshot_window is None or time.monotonic() < self._expire_at:
+            return
+        self._expire_at = time.monotonic() + self.expire_every
+        began = time.perf_counter()
+        lake = self._lake_connection()
+        try:
+            expired, deleted = expire_snapshots(lake, keep=self.snapshot_window, clock=self.clock)
+            rows = lake.execute("SELECT count(*) FROM ducklake_snapshots('lake')").fetchall()
+        except duckdb.Error:
+            self.expire_failures += 1
+            log.warning("expiring the lake's old snapshots failed; tried again in %.0f s",
+                        self.expire_every, exc_info=True)
+            return
+        self.snapshots_expired += expired
+        self.snapshots_kept = int(rows[0][0]) if rows else 0
+        log.info("expired %d lake snapshots older than %s (%d kept), deleted %d files, in %.2f s",
+                 expired, self.snapshot_window, self.snapshots_kept, deleted,
+                 time.perf_counter() - began)
 
     def _round_in_turn(self, op_conn: duckdb.DuckDBPyConnection) -> dict[str, int]:
         began = time.time()

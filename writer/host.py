@@ -20,6 +20,7 @@ import socket
 import sys
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 import msgspec
@@ -232,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     clock = SYSTEM_CLOCK
     gate = GateBook(lambda: catalog.current, clock, index)
     gate.rebuild(conn)
-    exporter = LakeExporter(settings.data_dir)
+    exporter = LakeExporter(settings.data_dir,
+                            snapshot_window=timedelta(seconds=settings.lake_snapshot_seconds))
     retention = Retention(folder.operational, settings.operational_window_seconds,
                           index.durable_watermark, clock=clock, exporter_lock=exporter.op_lock)
 

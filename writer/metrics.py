@@ -91,6 +91,16 @@ class _StateCollector(Collector):
             yield GaugeMetricFamily("tollgate_export_events_last_timestamp_seconds",
                                     "When events last reached the lake (Unix time; 0: not yet)",
                                     value=exporter.events_exported_at)
+            yield GaugeMetricFamily("tollgate_lake_snapshots",
+                                    "Snapshots the lake kept after the exporter's last expiry of"
+                                    " those older than TOLLGATE_LAKE_SNAPSHOT_HOURS",
+                                    value=exporter.snapshots_kept)
+            yield CounterMetricFamily("tollgate_lake_snapshots_expired",
+                                      "Lake snapshots this writer process expired",
+                                      value=exporter.snapshots_expired)
+            yield CounterMetricFamily("tollgate_lake_expire_failures",
+                                      "Failed expiries of the lake's old snapshots (each retried"
+                                      " 10 minutes later)", value=exporter.expire_failures)
         yield GaugeMetricFamily("tollgate_writer_last_tick_timestamp_seconds",
                                 "When the writer's tick last ran (Unix time)", value=time.time())
         memory = self.owner.memory_parts()
