@@ -5,7 +5,8 @@ Every interval it prints the events/s of that interval (and the gate pairs/s wit
 p50/p99 when `--gate-clients` is given), each process's RSS and the cores it used (the load
 itself as `load`), the writer's RSS sampled every 0.5 s over the interval (min, median, max:
 each checkpoint of the operational file's WAL moves it by 100 MiB and more), the sizes in the data folder, and the writer's memory by part (its
-`tollgate_writer_memory_bytes` metric: DuckDB's buffers, glibc's heap, RocksDB's parts).
+`tollgate_writer_memory_bytes` metric: DuckDB's buffers, glibc's heap, RocksDB's parts),
+the export's lag and the snapshots the lake keeps.
 At the end: the SIGTERM time and exit code, the restart time (until GET /healthz says ready),
 the writer's RSS after the restart, a dedupe check (the first event of the run, and with
 `--preload` the first event of the preloaded history, sent again: both must answer 200
@@ -220,6 +221,22 @@ def writer_memory(data_dir: Path) -> dict[str, float]:
             part = line.split('part="', 1)[1].split('"', 1)[0]
             out[part] = float(line.rsplit(" ", 1)[1]) / 2**20
     return out
+
+
+def lake_state(data_dir: Path) -> str:
+    """The export's lag and the lake's snapshots, from the writer's metrics file."""
+    try:
+        text = (data_dir / "metrics" / "writer.prom").read_text()
+    except OSError:
+        return ""
+    wanted = {"tollgate_export_lag_seconds": "export lag {:,.1f} s",
+              "tollgate_lake_snapshots": "lake snapshots {:,.0f}"}
+    out = []
+    for line in text.splitlines():
+        name = line.split(" ", 1)[0]
+        if name in wanted:
+            out.append(wanted[name].format(float(line.rsplit(" ", 1)[1])))
+    return " | " + ", ".join(out) if out else ""
 
 
 def _fmt(values: dict[str, float], floor: float = 1.0) -> str:
@@ -497,7 +514,8 @@ async def drive(service: Service, load: Load, args: argparse.Namespace,
               f" {'/'.join(f'{v:,.0f}' for v in writer_band)} | data MiB {_fmt(folder)}"
               f" | cores {' '.join(f'{k}={v:.2f}' for k, v in sorted(cores.items()) if v >= 0.01)}"
               f" (sum {sum(cores.values()):.2f})"
-              f" | writer MiB {_fmt(writer_memory(service.data_dir))}", flush=True)
+              f" | writer MiB {_fmt(writer_memory(service.data_dir))}"
+              f"{lake_state(service.data_dir)}", flush=True)
         last_t, last_events, last_pairs, last_cpu = now, load.events, load.pairs, cpu
     load.stop = True
     sampler.cancel()
