@@ -22,6 +22,7 @@ snapshots of the cutoff's own day that are older than the cutoff are expired by 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
@@ -104,9 +105,7 @@ def compact_lake(conn: duckdb.DuckDBPyConnection, *, retention: timedelta,
                  alias: str = "lake", clock: Clock = SYSTEM_CLOCK) -> CompactionReport:
     """Compact the lake attached to `conn` as `alias`, keeping `retention` of history."""
 
-    def call(sql: str) -> list[tuple[object, ...]]:
-        return _call(conn, sql)
-
+    call = functools.partial(_call, conn)
     call(f"CALL ducklake_flush_inlined_data('{alias}')")
     merged = call(f"CALL ducklake_merge_adjacent_files('{alias}')")
     expired, old = expire_snapshots(conn, keep=retention, alias=alias, clock=clock)

@@ -71,8 +71,8 @@ import duckdb
 from core.layout import DataFolder
 from warehouse import usage_days
 
-__all__ = ["LAKE_TABLES", "attach_lake", "compaction_turn", "export_turn", "connect_lake", "lake_paths", "table_folder", "transaction",
-           "with_lake_retry"]
+__all__ = ["LAKE_TABLES", "attach_lake", "compaction_turn", "connect_lake", "export_turn", "lake_paths",
+           "table_folder", "transaction", "with_lake_retry"]
 
 T = TypeVar("T")
 log = logging.getLogger("tollgate.lake")
@@ -218,6 +218,13 @@ def table_folder(conn: duckdb.DuckDBPyConnection, table: str, alias: str = "lake
     return Path(str(row[0])) / str(row[1]) / str(row[3])
 
 
+def _lock_file(data_dir: Path, name: str) -> int:
+    """Open (creating it) the lock file `name` in the lake's folder; the caller closes it."""
+    folder = lake_paths(Path(data_dir).resolve())[0].parent
+    folder.mkdir(parents=True, exist_ok=True)
+    return os.open(folder / name, os.O_RDWR | os.O_CREAT, 0o600)
+
+
 @contextmanager
 def compaction_turn(data_dir: Path) -> Iterator[None]:
     """Hold the lake for the compaction: the exporter starts no round while this is held,
@@ -231,12 +238,10 @@ def compaction_turn(data_dir: Path) -> Iterator[None]:
     compaction takes `compaction.intent` and then `compaction.turn`, both exclusive; the
     exporter starts a round only if it can take `compaction.intent` shared, and holds
     `compaction.turn` shared for the round (`export_turn`)."""
-    folder = lake_paths(Path(data_dir).resolve())[0].parent
-    folder.mkdir(parents=True, exist_ok=True)
-    intent = os.open(folder / "compaction.intent", os.O_RDWR | os.O_CREAT, 0o600)
+    intent = _lock_file(data_dir, "compaction.intent")
     try:
         fcntl.flock(intent, fcntl.LOCK_EX)
-        turn = os.open(folder / "compaction.turn", os.O_RDWR | os.O_CREAT, 0o600)
+        turn = _lock_file(data_dir, "compaction.turn")
         try:
             fcntl.flock(turn, fcntl.LOCK_EX)  # the exporter's round under way ends first
             yield
@@ -250,16 +255,14 @@ def compaction_turn(data_dir: Path) -> Iterator[None]:
 def export_turn(data_dir: Path) -> Iterator[bool]:
     """Yield True, holding the exporter's turn for one round, unless the compaction holds or
     wants the lake (`compaction_turn`): then yield False at once, and the round is skipped."""
-    folder = lake_paths(Path(data_dir).resolve())[0].parent
-    folder.mkdir(parents=True, exist_ok=True)
-    intent = os.open(folder / "compaction.intent", os.O_RDWR | os.O_CREAT, 0o600)
+    intent = _lock_file(data_dir, "compaction.intent")
     try:
         try:
             fcntl.flock(intent, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             yield False
             return
-        turn = os.open(folder / "compaction.turn", os.O_RDWR | os.O_CREAT, 0o600)
+        turn = _lock_file(data_dir, "compaction.turn")
         try:
             fcntl.flock(turn, fcntl.LOCK_SH)
             fcntl.flock(intent, fcntl.LOCK_UN)
