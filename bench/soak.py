@@ -224,12 +224,15 @@ def writer_memory(data_dir: Path) -> dict[str, float]:
 
 
 def lake_state(data_dir: Path) -> str:
-    """The export's lag and the lake's snapshots, from the writer's metrics file."""
+    """The export's lag (the age of the oldest row the lake does not hold yet) and the
+    events the last round left behind, and the lake's snapshots, from the writer's metrics
+    file."""
     try:
         text = (data_dir / "metrics" / "writer.prom").read_text()
     except OSError:
         return ""
     wanted = {"tollgate_export_lag_seconds": "export lag {:,.1f} s",
+              'tollgate_export_rows_behind{stream="events"}': "events behind {:,.0f}",
               "tollgate_lake_snapshots": "lake snapshots {:,.0f}"}
     out = []
     for line in text.splitlines():

@@ -24,6 +24,7 @@ them see the same settings.
 | TOLLGATE_TEST_FULL_DISK_FILE      | (none)       | tests only: a file name in the data folder; while that file exists, the writer's applies to the operational file fail as on a full disk |
 | TOLLGATE_WRITER_MEMORY            | 1GiB         | the writer process's memory ceiling: DuckDB's memory limit and the event index's cache are cut from it (`writer.host`) |
 | TOLLGATE_OPERATIONAL_WINDOW_SECONDS | 3600       | how long exported events, rating rows and commits stay in the operational file (`warehouse.retention`) |
+| TOLLGATE_OPERATIONAL_WINDOW_ROWS  | 32 M a GiB of TOLLGATE_WRITER_MEMORY | the most rows of a stream the lake holds that the operational file keeps, whatever their age (`warehouse.retention`) |
 | TOLLGATE_LAKE_SNAPSHOT_HOURS      | 6            | how far back the lake's snapshots reach (time travel); older ones are expired every 10 minutes (`warehouse.export`) |
 
 The HTTP process's limits (docs/api.md, "Limits"), each a positive number:
@@ -60,8 +61,10 @@ from pathlib import Path
 
 from core.layout import DataFolder
 
-__all__ = ["ConfigError", "Settings", "parse_bytes", "parse_port", "usable_cores"]
+__all__ = ["WINDOW_ROWS_PER_GIB", "ConfigError", "Settings", "parse_bytes", "parse_port", "usable_cores"]
 
+# The operational file's rows bound by default, per GiB of the writer's memory ceiling.
+WINDOW_ROWS_PER_GIB = 32_000_000
 _OFF = ("off", "0", "false", "no")
 _ON = ("on", "1", "true", "yes", "")
 
@@ -271,6 +274,9 @@ class Settings:
     writer_memory: int = 1024 ** 3
     # How long rows stay in the operational file once the lake and the index hold them.
     operational_window_seconds: float = 3600.0
+    # The most rows of a stream the lake holds that stay in the operational file, however
+    # young; 0: `window_rows` derives it from `writer_memory`.
+    operational_window_rows: int = 0
     # How long the lake keeps its snapshots (TOLLGATE_LAKE_SNAPSHOT_HOURS, in seconds here).
     lake_snapshot_seconds: float = 6 * 3600.0
 
@@ -306,6 +312,7 @@ class Settings:
             writer_memory=parse_bytes(env.get("TOLLGATE_WRITER_MEMORY", "").strip() or "1GiB",
                                       "TOLLGATE_WRITER_MEMORY"),
             operational_window_seconds=_positive_seconds(env, "TOLLGATE_OPERATIONAL_WINDOW_SECONDS", 3600.0),
+            operational_window_rows=_whole_number(env, "TOLLGATE_OPERATIONAL_WINDOW_ROWS", 0),
             lake_snapshot_seconds=3600.0 * _positive_seconds(env, "TOLLGATE_LAKE_SNAPSHOT_HOURS", 6.0),
             max_body_bytes=_positive_int(env, "TOLLGATE_MAX_BODY_BYTES", 16 * 1024 * 1024),
             max_header_bytes=_positive_int(env, "TOLLGATE_MAX_HEADER_BYTES", 32 * 1024),
@@ -318,6 +325,24 @@ class Settings:
             max_nonce_chars=_positive_int(env, "TOLLGATE_MAX_NONCE_CHARS", 128),
             max_idempotency_key_chars=_positive_int(env, "TOLLGATE_MAX_IDEMPOTENCY_KEY_CHARS", 255),
         )
+
+    @property
+    def window_rows(self) -> int:
+        """The most exported rows of a stream the operational file keeps, whatever their
+        age: TOLLGATE_OPERATIONAL_WINDOW_ROWS, or `WINDOW_ROWS_PER_GIB` a GiB of the writer's
+        memory ceiling. DuckDB holds each row group's metadata in the writer's heap, outside
+        its memory limit, about 0.6 MiB a million rows; at full speed an hour's window is
+        175 M events, and the writer's RSS passed its 1 GiB ceiling (docs/measurements.md,
+        "An hour at full speed").
+
+        >>> Settings(Path("."), writer_memory=1 << 30).window_rows
+        32000000
+        >>> Settings(Path("."), operational_window_rows=5).window_rows
+        5
+        """
+        if self.operational_window_rows:
+            return self.operational_window_rows
+        return max(1_000_000, self.writer_memory * WINDOW_ROWS_PER_GIB // (1 << 30))
 
     @property
     def metrics_on(self) -> bool:

@@ -204,6 +204,23 @@ def test_micro_batches_keep_commit_order_and_never_split_a_commit(tmp_path: Path
     assert dict(indexes) == {c: list(range(n)) for c, n in zip(commits, (2, 3, 1, 2), strict=False)}
 
 
+def test_the_export_lag_is_the_age_of_the_oldest_row_the_lake_lacks(tmp_path: Path,
+                                                                    op: OperationalFile) -> None:
+    # Under a sustained load every round is full and the exporter never finds nothing to do:
+    # the lag is then how old the rows it left behind are, not how long ago it caught up.
+    op.add_events(6)
+    accepted = datetime.now(timezone.utc) - timedelta(seconds=100)
+    op.conn.execute("UPDATE events SET created_at = ?::TIMESTAMPTZ + to_seconds(seq)", [accepted])
+    exporter = LakeExporter(tmp_path, batch_rows=3)
+    began = time.time()
+    exporter.export_once(op.conn)
+    assert exporter.caught_up_at == pytest.approx(accepted.timestamp() + 3)  # rows 1-3 shipped
+    exporter.export_once(op.conn)
+    assert exporter.caught_up_at == pytest.approx(accepted.timestamp() + 6)
+    assert exporter.export_once(op.conn) == EMPTY
+    assert exporter.caught_up_at >= began  # nothing left: caught up as the round began
+
+
 def test_a_round_reads_a_range_of_seqs_and_steps_over_a_gap_wider_than_a_batch(
         tmp_path: Path, op: OperationalFile) -> None:
     # A round reads the seqs past its mark, a batch's worth (not a top-n over the backlog);

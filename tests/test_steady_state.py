@@ -121,6 +121,36 @@ def test_events_leave_the_operational_file_after_the_window_and_stay_duplicates(
     assert _lake_count(svc.data_dir, first.json()["data"]["event_id"]) == 1
 
 
+@pytest.mark.lake
+def test_past_the_rows_bound_the_oldest_exported_events_leave_however_young(fresh_service: Service) -> None:
+    svc = fresh_service
+    svc.env["TOLLGATE_OPERATIONAL_WINDOW_ROWS"] = "20"  # the hour's window stays
+    svc.start()
+    single = _event()
+    first = svc.post("/mgt/v1/events", single, account="acct_events")
+    assert first.status_code == 201, first.text
+    batch = [_event() for _ in range(50)]
+    assert svc.post("/mgt/v1/events/batch", {"events": batch}, account="acct_events").status_code == 207
+    svc.stop()  # the last export ships them, then all but the newest 20 leave the file
+    op = duckdb.connect(str(svc.data_dir / "operational.duckdb"), read_only=True)
+    try:
+        assert op.execute("SELECT count(*), min(seq), max(seq) FROM events").fetchone() == (20, 32, 51)
+    finally:
+        op.close()
+    svc.start()
+    again = svc.post("/mgt/v1/events", single, account="acct_events")
+    assert again.status_code == 200, again.text  # from the index, the file let it go
+    assert again.json()["data"]["created_at"] == first.json()["data"]["created_at"]
+    redo = svc.post("/mgt/v1/events/batch", {"events": batch[:3] + batch[-3:]}, account="acct_events")
+    assert [item["status"] for item in redo.json()["data"]["results"]] == ["duplicate"] * 6, redo.text
+    svc.stop()
+    lake = connect_lake(svc.data_dir, read_only=True)
+    try:
+        assert lake.execute("SELECT count(*), count(DISTINCT seq) FROM lake.events").fetchone() == (51, 51)
+    finally:
+        lake.close()
+
+
 def test_the_index_cache_stays_bounded_while_it_holds_many_more_ids(tmp_path: Path) -> None:
     cache = 8 << 20
     index = EventIndex(tmp_path / "index", cache)

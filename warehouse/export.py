@@ -72,6 +72,10 @@ _RATING_COLUMNS = (
 )
 
 
+# When each stream's row was accepted (the export lag's measure).
+_TIME_COLUMN = {"events": "created_at", "commit_lines": "committed_at", "inline_ratings": "rated_at"}
+
+
 class ExportMismatch(Exception):
     """The lake holds an export that does not follow the file's watermark: exporting on would
     either skip or repeat rows, so the stream stops until an operator looks."""
@@ -121,7 +125,7 @@ class LakeExporter:
         self.rows_exported = {s: 0 for s in STREAMS}
         self.rows_behind = {s: 0 for s in STREAMS}  # left for later rounds by the last one
         self.failures = 0
-        self.caught_up_at = time.time()  # start of the last round that left nothing behind
+        self.caught_up_at = time.time()  # every row accepted before it is in the lake
         self.events_exported_at = 0.0  # when the last round that shipped events committed
         # Held while this exporter uses the operational file; the file's checkpoint takes it
         # too (`warehouse.retention`), so it never meets one of this thread's transactions.
@@ -220,8 +224,17 @@ class LakeExporter:
                                            [batch.to_seq]).fetchall()
                 behind[batch.stream] = int(rows[0][0]) if rows else 0
         self.rows_behind = behind
-        if not self.behind:
-            self.caught_up_at = began
+        # Every row accepted before `shipped_to` is in the lake: the round's start if it
+        # shipped all it read, else the newest row a full batch carried. A sustained load
+        # keeps every batch full, and the lag is then the age of the oldest row left behind,
+        # not the time since the exporter last found nothing to do (which grew without end).
+        shipped_to = began
+        for batch in batches:
+            if batch.full:
+                last = batch.rows.column(_TIME_COLUMN[batch.stream])[-1].as_py()
+                if last is not None:
+                    shipped_to = min(shipped_to, last.timestamp())
+        self.caught_up_at = max(self.caught_up_at, shipped_to)
         return counts
 
     # ---- the operational side -------------------------------------------------------

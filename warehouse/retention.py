@@ -4,7 +4,10 @@ The lake is the append-only store of record. An event leaves the operational fil
 (1) exported to the lake (its seq at or below the `events` export watermark), (2) in the
 event index for good (at or below the index's durable watermark, `EventIndex.
 durable_watermark`), and (3) older than the window (TOLLGATE_OPERATIONAL_WINDOW_SECONDS,
-default an hour). Commit lines and inline ratings leave on (1) and (3). Commits (kept for the
+default an hour) or more than the rows bound behind the export's watermark
+(TOLLGATE_OPERATIONAL_WINDOW_ROWS, default 32 M a GiB of the writer's memory ceiling:
+`core.settings.Settings.window_rows` says why). Commit lines and inline ratings leave on (1)
+and (3). Commits (kept for the
 replay of a lease's commit) and leases leave once no lease the gate book remembers needs them
 (`GATE_MEMORY`, a day past the book's week): the book rebuilds balances, usage and carried
 remainders from aggregates kept as commits are applied (`warehouse.gate_store`), so pruning
@@ -56,9 +59,12 @@ class Retention:
 
     def __init__(self, file: Path, window_seconds: float,
                  index_watermark: Callable[[], int], *, clock: Clock = SYSTEM_CLOCK,
-                 every_seconds: float = 2.0, exporter_lock: Any = None) -> None:
+                 every_seconds: float = 2.0, exporter_lock: Any = None,
+                 window_rows: int | None = None) -> None:
         self.wal = file.with_name(file.name + ".wal")
         self.window = timedelta(seconds=window_seconds)
+        # At most this many exported rows of a stream stay, however young (None: no bound).
+        self.window_rows = window_rows
         self.index_watermark = index_watermark
         self.clock = clock
         self.every_seconds = every_seconds
@@ -90,19 +96,31 @@ class Retention:
                 upto = min(upto, indexed)
             if upto <= 0:
                 continue
+            # Past the rows bound, rows leave whatever their age: the seqs of a stream have
+            # no gaps, so those at or below the export watermark less the bound.
+            by_rows = 0
+            if self.window_rows is not None:
+                by_rows = min(upto, int(marks.get(table, 0)) - self.window_rows)
             # The lowest seq that may leave now, under the same conditions as the DELETE. Not
             # `min(seq)` of the whole table: while the applier and the exporter hold
             # transactions on it DuckDB scans the column for that (2 ms at 1 M rows, 88 ms at
             # 11 M in a soak, every 2 s, growing with the window), where the window's condition
             # lets the zone maps of the time column skip every row group newer than the cutoff
-            # (1-5 ms throughout; docs/measurements.md, "What grew in the writer").
-            row = conn.execute(f"SELECT min(seq) FROM {table} WHERE seq <= ? AND {at} < ?",
-                               [upto, cutoff]).fetchone()
+            # (1-5 ms throughout; docs/measurements.md, "What grew in the writer"). The rows
+            # bound's condition is on seq, whose zone maps skip the rest alike; when rows
+            # pass it, the lowest of them is the lowest of all that may leave.
+            row = None
+            if by_rows > 0:
+                row = conn.execute(f"SELECT min(seq) FROM {table} WHERE seq <= ?",
+                                   [by_rows]).fetchone()
+            if row is None or row[0] is None:
+                row = conn.execute(f"SELECT min(seq) FROM {table} WHERE seq <= ? AND {at} < ?",
+                                   [upto, cutoff]).fetchone()
             if row is None or row[0] is None:
                 continue
             upto = min(upto, int(row[0]) + STEP_ROWS - 1)
-            got = conn.execute(f"DELETE FROM {table} WHERE seq <= ? AND {at} < ?",
-                               [upto, cutoff]).fetchone()
+            got = conn.execute(f"DELETE FROM {table} WHERE seq <= ? AND ({at} < ? OR seq <= ?)",
+                               [upto, cutoff, by_rows]).fetchone()
             n = int(got[0]) if got else 0
             self.deleted[table] += n
             total += n

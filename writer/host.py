@@ -236,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     exporter = LakeExporter(settings.data_dir,
                             snapshot_window=timedelta(seconds=settings.lake_snapshot_seconds))
     retention = Retention(folder.operational, settings.operational_window_seconds,
-                          index.durable_watermark, clock=clock, exporter_lock=exporter.op_lock)
+                          index.durable_watermark, clock=clock, exporter_lock=exporter.op_lock,
+                          window_rows=settings.window_rows)
 
     def upkeep(c: Any) -> None:
         # On the applier's thread, after a batch is applied or now and then when idle.
