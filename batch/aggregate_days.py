@@ -15,6 +15,14 @@ rating lock and right after a sweep (so every exported event has been looked at)
    and the new lines, priced with the price row in force at the start of the day and the
    carry of the run (per account and price row, in day order).
 
+Each close reads only the days that may need it, not the history: the closed days of the
+events rated by runs that started since the last close looked (`lake.aggregate_closes`, less
+`MARGIN`), and the days that closed since its instant. The rest of the lake is left unread: a close's cost
+follows the days it rates, and every 15 minutes it once scanned every event ever deferred
+(2 GB of the scheduler's memory on an hour of full-speed traffic; docs/measurements.md, "An
+hour at full speed"). A close that leaves days waiting for a policy version records no mark,
+so they stay candidates until they are rated. A lake without a mark is read whole once.
+
 An aggregate line has source `event`, `source_id` f"{account}/{event_type}/{day}" (day as
 YYYY-MM-DD), no event_id, occurred_at the start of its day, and `line_index` the line's place
 in its policy's document (lines of one intent naming one meter twice are added up).
@@ -25,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from datetime import datetime
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import duckdb
@@ -42,6 +50,7 @@ from batch.rating_plan import (
 from batch.rating_runs import (
     RatingLock,
     RunSummary,
+    batch_runs_sql,
     current_batch_sql,
     new_run_id,
     rating_id_sql,
@@ -63,6 +72,12 @@ _LINES = "_aggregate_lines"
 _PREVIOUS = "_aggregate_previous"
 _LATENESS = "_aggregate_lateness"
 _VERSIONS = "_aggregate_versions"
+_CANDIDATES = "_aggregate_candidates"
+_DEFAULT_LATENESS = 7200  # seconds, for a realm the lateness map does not name
+# Rows rated this long before the last close's look are read again: the clocks of the
+# processes that rate may differ by this much.
+MARGIN = timedelta(minutes=2)
+_DAY = "CAST(r.occurred_at AT TIME ZONE 'UTC' AS DATE)"
 
 
 def close_aggregate_days(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, lock: RatingLock, *,
@@ -85,8 +100,59 @@ def _rate_days(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, lateness: Mapp
     try:
         return _rate_closed_days(conn, plan, lateness, now, clock)
     finally:
-        for table in (_EVENTS, _DAYS, _LINES, _PREVIOUS, _LATENESS, _VERSIONS):
+        for table in (_EVENTS, _DAYS, _LINES, _PREVIOUS, _LATENESS, _VERSIONS, _CANDIDATES):
             conn.execute(f"DROP TABLE IF EXISTS {table}")
+
+
+def _candidate_days(conn: duckdb.DuckDBPyConnection, lateness: Mapping[str, int],
+                    now: datetime) -> tuple[str, str] | None:
+    """Fill `_CANDIDATES` (realm, billing_account_id, usage_day) with the days this close
+    must look at, and return the SQL conditions that keep a read of lake.ratings (alias r)
+    and of lake.events (alias x) to them; None: no day to look at.
+
+    A closed day needs a close only when (1) it closed since the last close's instant, or (2)
+    a batch run that started since the last close looked rated one of its events. Each is
+    read with conditions on stored columns that reach the scans of both tables under the
+    ratings view: (1) a range of occurred_at, which DuckLake's file statistics use to skip
+    every file of other days (a day's events are in the files of the minutes they arrived
+    in); (2) the run ids themselves, found in lake.rating_runs (one row a run), since a
+    sweep's lines carry no rated_at of their own. A lake without a mark is read whole."""
+    mark = conn.execute("SELECT max(closed_at), max(looked_through) FROM lake.aggregate_closes").fetchone()
+    closed_before, looked_through = (mark or (None, None))
+    allowances = [*lateness.values(), _DEFAULT_LATENESS]
+    # Every event of a closed day occurred before this (its day ended a lateness before now).
+    closed_hi = now - timedelta(seconds=min(allowances))
+    base = f"r.source = 'event' AND r.event_id IS NOT NULL AND r.occurred_at < {sql_instant(closed_hi)}"
+    reads = [base]
+    if closed_before is not None and looked_through is not None:
+        # (1): a day that closed after `closed_before` began after this.
+        newly = closed_before - timedelta(days=1, seconds=max(allowances)) - MARGIN
+        reads = [f"{base} AND r.occurred_at >= {sql_instant(newly)}"]
+        runs = [row[0] for row in conn.execute(
+            f"SELECT run_id FROM ({batch_runs_sql()}) WHERE started_at > ? ORDER BY run_id",
+            [looked_through - MARGIN]).fetchall()]
+        if runs:  # (2)
+            reads.append(f"{base} AND r.run_id IN ({', '.join(sql_text(r) for r in runs)})")
+    conn.execute(
+        f"CREATE OR REPLACE TEMP TABLE {_CANDIDATES} AS " + " UNION ".join(
+            f"SELECT r.realm, r.billing_account_id, {_DAY} AS usage_day FROM lake.ratings AS r"
+            f" WHERE {where}" for where in reads))
+    span = conn.execute(f"SELECT min(usage_day), max(usage_day) FROM {_CANDIDATES}").fetchone()
+    if span is None or span[0] is None:
+        return None
+    low = sql_instant(datetime.combine(span[0], datetime.min.time(), timezone.utc))
+    high = sql_instant(datetime.combine(span[1], datetime.min.time(), timezone.utc) + timedelta(days=1))
+    in_days = (f"r.occurred_at >= {low} AND r.occurred_at < {high} AND EXISTS (SELECT 1 FROM"
+               f" {_CANDIDATES} AS c WHERE c.realm = r.realm AND c.billing_account_id ="
+               f" r.billing_account_id AND c.usage_day = {_DAY})")
+    return in_days, f"x.occurred_at >= {low} AND x.occurred_at < {high}"
+
+
+def _record_close(conn: duckdb.DuckDBPyConnection, now: datetime, looked: datetime,
+                  days: int) -> None:
+    """The mark the next close starts from (`_candidate_days`)."""
+    conn.execute("INSERT INTO lake.aggregate_closes SELECT greatest(?, coalesce(max(closed_at), ?)),"
+                 " ?, ? FROM lake.aggregate_closes", [now, now, looked, days])
 
 
 def _rate_closed_days(conn: duckdb.DuckDBPyConnection, plan: RatingPlan,
@@ -96,19 +162,28 @@ def _rate_closed_days(conn: duckdb.DuckDBPyConnection, plan: RatingPlan,
     if not versions:
         return None
     began = time.monotonic()
+    # Inside the rating lock and after its sweep: every batch run rated before this is in
+    # the lake, and every later one starts after it.
+    looked = clock.now()
+    bounds = _candidate_days(conn, lateness, now)
+    if bounds is None:
+        _record_close(conn, now, looked, 0)
+        return None
+    in_days, events_in_days = bounds
     conn.execute(f"CREATE OR REPLACE TEMP TABLE {_LATENESS} (realm VARCHAR, seconds BIGINT)")
     if lateness:
         conn.executemany(f"INSERT INTO {_LATENESS} VALUES (?, ?)", list(lateness.items()))
-    # Every event that was ever deferred, with its current batch rating (deferred or not:
-    # an event re-rated away from its aggregate policy changes its day too).
-    once_deferred = ("r.event_id IN (SELECT event_id FROM lake.ratings"
-                     " WHERE source = 'event' AND status = 'deferred')")
+    # Every event of those days that was ever deferred, with its current batch rating
+    # (deferred or not: an event re-rated away from its aggregate policy changes its day too).
+    once_deferred = (f"{in_days} AND r.event_id IN (SELECT r.event_id FROM lake.ratings AS r"
+                     f" WHERE r.source = 'event' AND r.status = 'deferred' AND {in_days})")
     conn.execute(
         f"CREATE OR REPLACE TEMP TABLE {_EVENTS} AS SELECT c.realm, c.event_id, c.status,"
-        " c.policy_id, c.policy_version, c.run_finished_at, e.billing_account_id, e.event_type,"
-        " CAST(e.occurred_at AT TIME ZONE 'UTC' AS DATE) AS usage_day"
+        " c.policy_id, c.policy_version, c.run_finished_at, x.billing_account_id, x.event_type,"
+        " CAST(x.occurred_at AT TIME ZONE 'UTC' AS DATE) AS usage_day"
         f" FROM ({current_batch_sql(once_deferred)}) AS c"
-        " JOIN lake.events AS e ON e.event_id = c.event_id")
+        f" JOIN (SELECT * FROM lake.events AS x WHERE {events_in_days}) AS x"
+        " ON x.event_id = c.event_id")
     day_key = "concat(billing_account_id, '/', event_type, '/', strftime(usage_day, '%Y-%m-%d'))"
     day_start = "(CAST(usage_day AS TIMESTAMP) AT TIME ZONE 'UTC')"
     conn.execute(
@@ -121,7 +196,7 @@ def _rate_closed_days(conn: duckdb.DuckDBPyConnection, plan: RatingPlan,
     # The days' previous aggregate lines; a day whose lines are newer than its events, or
     # that never had lines and has nothing deferred any more, needs nothing.
     previous = current_batch_sql(
-        f"r.event_id IS NULL AND EXISTS (SELECT 1 FROM {_DAYS} AS d"
+        f"r.event_id IS NULL AND {in_days} AND EXISTS (SELECT 1 FROM {_DAYS} AS d"
         " WHERE d.realm = r.realm AND d.source_id = r.source_id)")
     conn.execute(f"CREATE OR REPLACE TEMP TABLE {_PREVIOUS} AS {previous}")
     conn.execute(
@@ -154,6 +229,8 @@ def _rate_closed_days(conn: duckdb.DuckDBPyConnection, plan: RatingPlan,
     days = conn.execute(f"SELECT count(*) FROM {_DAYS}").fetchone()
     day_count = int(days[0]) if days else 0
     if not day_count:
+        if not waiting:
+            _record_close(conn, now, looked, 0)
         return None
 
     lines = []
@@ -208,5 +285,9 @@ def _rate_closed_days(conn: duckdb.DuckDBPyConnection, plan: RatingPlan,
     summary = write_run(conn, run_id=run_id, kind="aggregate", started_at=started_at, clock=clock,
                         params={"closed_before": now.isoformat(), "days": day_count},
                         rows_sql=f"{reversals} UNION ALL {new_rows}", events=day_count)
+    if not waiting:
+        # After the run: a close killed in between reads these days again and finds their
+        # lines newer than their events, so nothing is rated twice.
+        _record_close(conn, now, looked, day_count)
     return RunSummary(summary.run_id, summary.kind, summary.events, summary.lines,
                       time.monotonic() - began)

@@ -92,9 +92,15 @@ class _State:
 
 
 def _state(conn: duckdb.DuckDBPyConnection) -> _State:
-    """What the lake tells a sweep, in one query (each costs ~10-20 ms in the catalog): the
-    watermark, how many runs started after it was read (so might hold rows of events
-    beyond it), and the events beyond it."""
+    """What the lake tells a sweep: the watermark, how many runs started after it was read
+    (so might hold rows of events beyond it), and the events beyond it.
+
+    The events are counted in queries of their own, with the watermark as a literal: a
+    condition on export_id reaches the scan, and DuckLake skips every file at or below the
+    watermark by its statistics, so a sweep reads the files of the new exports, not the
+    history. Counted in one query with the runs, the condition was a subquery's and every
+    sweep read the export_id of every event ever stored (docs/measurements.md, "A lake's
+    history and the flows")."""
     margin = int(CLOCK_MARGIN.total_seconds())
     row = conn.execute(
         f"WITH runs AS ({batch_runs_sql()}), mark AS ("
@@ -107,14 +113,19 @@ def _state(conn: duckdb.DuckDBPyConnection) -> _State:
         " SELECT (SELECT through FROM watermark), (SELECT read_at FROM mark),"
         " (SELECT count(*) FROM runs WHERE NOT EXISTS (SELECT 1 FROM mark)"
         f"  OR (runs.started_at >= (SELECT read_at FROM mark) - INTERVAL {margin} SECONDS"
-        f"  AND {_may_rate_beyond('runs', '(SELECT through FROM watermark)')})),"
-        " e.*"
-        " FROM (SELECT coalesce(max(export_id), -1), count(*) FILTER (export_id IS NULL),"
-        "  count(*) FILTER (export_id IS NULL OR export_id > (SELECT through FROM watermark))"
-        "  FROM lake.events) AS e").fetchone()
+        f"  AND {_may_rate_beyond('runs', '(SELECT through FROM watermark)')}))").fetchone()
     if row is None:
         return _State(-1, None, 0, -1, 0, 0)
-    return _State(int(row[0]), row[1], int(row[2]), int(row[3]), int(row[4]), int(row[5]))
+    watermark = int(row[0])
+    # A literal, not a parameter: the plan's filter must be a constant to reach the scan.
+    beyond = conn.execute("SELECT max(export_id), count(*) FROM lake.events"
+                          f" WHERE export_id > {watermark:d}").fetchone()
+    unexported = conn.execute("SELECT count(*) FROM lake.events WHERE export_id IS NULL").fetchone()
+    newest, new = beyond if beyond else (None, 0)
+    missing = int(unexported[0]) if unexported else 0
+    # None beyond the watermark: the greatest export id is the watermark's (-1: no events).
+    greatest = int(newest) if newest is not None else watermark
+    return _State(watermark, row[1], int(row[2]), greatest, missing, int(new) + missing)
 
 
 def sweep(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, lock: RatingLock, *,

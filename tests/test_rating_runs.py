@@ -15,7 +15,7 @@ from typing import Any
 import duckdb
 import pytest
 
-from batch.aggregate_days import close_aggregate_days
+from batch.aggregate_days import _candidate_days, close_aggregate_days
 from batch.rating_plan import RatingPlan
 from batch.rating_runs import RatingLock, current_ratings_sql
 from batch.rerate import rerate
@@ -289,6 +289,56 @@ def test_an_aggregate_day_closes_after_its_allowance_and_a_late_event_rerates_it
                 " WHERE status = 'rated' ORDER BY ALL") == [
         (f"acct_a/seats.snapshot/{day}", 7, 7_000_000),
         (f"acct_b/seats.snapshot/{day}", 2, 2_000_000)]
+
+
+def test_a_close_reads_only_the_days_closed_or_rated_since_the_last_one(lake: Any) -> None:
+    """A close does not read the history: only days that closed since the last close and
+    days of events a batch run rated since it looked are candidates."""
+    data_dir, feed, conn = lake
+    plan = apply_catalog(data_dir, catalog_toml(
+        policies=policy("seats", ("v1", "2026-01-01T00:00:00Z", SEATS)), prices=PRICES))
+    lateness = {"acme": 7200}
+    clock = ManualClock(datetime(2026, 11, 3, 0, 50, tzinfo=timezone.utc))
+    feed.add(event("acct_a", "seats.snapshot", "2026-11-01T08:00:00Z", {"seats": 3}),
+             event("acct_b", "seats.snapshot", "2026-11-01T09:00:00Z", {"seats": 2}),
+             event("acct_b", "seats.snapshot", "2026-11-02T09:00:00Z", {"seats": 4}))
+
+    def close() -> list[Any]:
+        return close_aggregate_days(conn, plan, lock(data_dir), lateness=lateness,
+                                    now=clock.now(), clock=clock)
+
+    def candidates() -> list[tuple[Any, ...]]:
+        if _candidate_days(conn, lateness, clock.now()) is None:
+            return []
+        return rows(conn, "SELECT billing_account_id, strftime(usage_day, '%m-%d')"
+                    " FROM _aggregate_candidates ORDER BY ALL")
+
+    sweep(conn, plan, lock(data_dir), clock=clock)  # the schedule's sweep, at 00:50
+    clock.set(datetime(2026, 11, 3, 1, tzinfo=timezone.utc))  # 11-01 closed, 11-02 not yet
+    [run] = close()
+    assert run.events == 2
+    clock.advance(15 * 60)
+    # 11-01 is rated and nothing of it changed: not read again. 11-02 closes at 02:00.
+    assert candidates() == [("acct_b", "11-02")]
+    clock.set(datetime(2026, 11, 3, 2, tzinfo=timezone.utc))
+    [run] = close()
+    assert run.events == 1
+
+    # A late event for 11-01 of acct_a, and one of a day still open: a sweep rates both.
+    feed.add(event("acct_a", "seats.snapshot", "2026-11-01T20:00:00Z", {"seats": 6}),
+             event("acct_c", "seats.snapshot", "2026-11-03T01:00:00Z", {"seats": 1}))
+    clock.advance(15 * 60)
+    sweep(conn, plan, lock(data_dir), clock=clock)
+    clock.advance(60)
+    # acct_a's 11-01 is read again, acct_b's is not; 11-02, which closed at the last close's
+    # instant, is read again within the margin; 11-03 is open.
+    assert candidates() == [("acct_a", "11-01"), ("acct_b", "11-02")]
+    [run] = close()
+    assert run.events == 1
+    assert rows(conn, f"SELECT source_id, quantity_minor FROM ({current_ratings_sql()})"
+                " WHERE status = 'rated' ORDER BY ALL") == [
+        ("acct_a/seats.snapshot/2026-11-01", 6), ("acct_b/seats.snapshot/2026-11-01", 2),
+        ("acct_b/seats.snapshot/2026-11-02", 4)]
 
 
 class _CrashBeforeSecondRunCommits:

@@ -123,6 +123,9 @@ LAKE_TABLES: dict[str, str] = {
     "export_log": """
         stream VARCHAR, export_id BIGINT, from_seq BIGINT, to_seq BIGINT, rows BIGINT,
         exported_at TIMESTAMPTZ""",
+    # One row per close of aggregate days that left none waiting: where the next one starts
+    # (`batch.aggregate_days`).
+    "aggregate_closes": "closed_at TIMESTAMPTZ, looked_through TIMESTAMPTZ, days BIGINT",
 }
 
 
