@@ -73,6 +73,7 @@ _PREVIOUS = "_aggregate_previous"
 _LATENESS = "_aggregate_lateness"
 _VERSIONS = "_aggregate_versions"
 _CANDIDATES = "_aggregate_candidates"
+_DEFERRED = "_aggregate_deferred"
 _DEFAULT_LATENESS = 7200  # seconds, for a realm the lateness map does not name
 # Rows rated this long before the last close's look are read again: the clocks of the
 # processes that rate may differ by this much.
@@ -100,15 +101,17 @@ def _rate_days(conn: duckdb.DuckDBPyConnection, plan: RatingPlan, lateness: Mapp
     try:
         return _rate_closed_days(conn, plan, lateness, now, clock)
     finally:
-        for table in (_EVENTS, _DAYS, _LINES, _PREVIOUS, _LATENESS, _VERSIONS, _CANDIDATES):
+        for table in (_EVENTS, _DAYS, _LINES, _PREVIOUS, _LATENESS, _VERSIONS, _CANDIDATES,
+                      _DEFERRED):
             conn.execute(f"DROP TABLE IF EXISTS {table}")
 
 
 def _candidate_days(conn: duckdb.DuckDBPyConnection, lateness: Mapping[str, int],
                     now: datetime) -> tuple[str, str] | None:
     """Fill `_CANDIDATES` (realm, billing_account_id, usage_day) with the days this close
-    must look at, and return the SQL conditions that keep a read of lake.ratings (alias r)
-    and of lake.events (alias x) to them; None: no day to look at.
+    must look at and `_DEFERRED` with the ids of their events ever deferred, and return the
+    ranges of occurred_at that keep a read of lake.ratings (alias r) and of lake.events
+    (alias x) to their files; None: no day to look at.
 
     A closed day needs a close only when (1) it closed since the last close's instant, or (2)
     a batch run that started since the last close looked rated one of its events. Each is
@@ -142,10 +145,15 @@ def _candidate_days(conn: duckdb.DuckDBPyConnection, lateness: Mapping[str, int]
         return None
     low = sql_instant(datetime.combine(span[0], datetime.min.time(), timezone.utc))
     high = sql_instant(datetime.combine(span[1], datetime.min.time(), timezone.utc) + timedelta(days=1))
-    in_days = (f"r.occurred_at >= {low} AND r.occurred_at < {high} AND EXISTS (SELECT 1 FROM"
-               f" {_CANDIDATES} AS c WHERE c.realm = r.realm AND c.billing_account_id ="
-               f" r.billing_account_id AND c.usage_day = {_DAY})")
-    return in_days, f"x.occurred_at >= {low} AND x.occurred_at < {high}"
+    # The candidate days' events that were ever deferred, by plain joins on tables of their
+    # own (correlated EXISTS filters on the ratings view's scans spilled without end).
+    conn.execute(
+        f"CREATE OR REPLACE TEMP TABLE {_DEFERRED} AS SELECT DISTINCT r.event_id"
+        f" FROM lake.ratings AS r JOIN {_CANDIDATES} AS c ON c.realm = r.realm"
+        f" AND c.billing_account_id = r.billing_account_id AND c.usage_day = {_DAY}"
+        f" WHERE r.source = 'event' AND r.status = 'deferred'"
+        f" AND r.occurred_at >= {low} AND r.occurred_at < {high}")
+    return f"r.occurred_at >= {low} AND r.occurred_at < {high}", f"x.occurred_at >= {low} AND x.occurred_at < {high}"
 
 
 def _record_close(conn: duckdb.DuckDBPyConnection, now: datetime, looked: datetime,
@@ -175,8 +183,7 @@ def _rate_closed_days(conn: duckdb.DuckDBPyConnection, plan: RatingPlan,
         conn.executemany(f"INSERT INTO {_LATENESS} VALUES (?, ?)", list(lateness.items()))
     # Every event of those days that was ever deferred, with its current batch rating
     # (deferred or not: an event re-rated away from its aggregate policy changes its day too).
-    once_deferred = (f"{in_days} AND r.event_id IN (SELECT r.event_id FROM lake.ratings AS r"
-                     f" WHERE r.source = 'event' AND r.status = 'deferred' AND {in_days})")
+    once_deferred = f"{in_days} AND r.event_id IN (SELECT event_id FROM {_DEFERRED})"
     conn.execute(
         f"CREATE OR REPLACE TEMP TABLE {_EVENTS} AS SELECT c.realm, c.event_id, c.status,"
         " c.policy_id, c.policy_version, c.run_finished_at, x.billing_account_id, x.event_type,"
