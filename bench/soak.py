@@ -6,7 +6,9 @@ p50/p99 when `--gate-clients` is given), each process's RSS and the cores it use
 itself as `load`), the writer's RSS sampled every 0.5 s over the interval (min, median, max:
 each checkpoint of the operational file's WAL moves it by 100 MiB and more), the sizes in the data folder, and the writer's memory by part (its
 `tollgate_writer_memory_bytes` metric: DuckDB's buffers, glibc's heap, RocksDB's parts),
-the export's lag and the snapshots the lake keeps.
+the export's lag and the snapshots the lake keeps, and the writer's upkeep in the interval:
+the export's rounds and their mean time, the file's checkpoints and their time, and the
+events that left the file.
 At the end: the SIGTERM time and exit code, the restart time (until GET /healthz says ready),
 the writer's RSS after the restart, a dedupe check (the first event of the run, and with
 `--preload` the first event of the preloaded history, sent again: both must answer 200
@@ -223,10 +225,17 @@ def writer_memory(data_dir: Path) -> dict[str, float]:
     return out
 
 
-def lake_state(data_dir: Path) -> str:
+_UPKEEP = ("tollgate_export_rounds_total", "tollgate_export_round_seconds_total",
+           "tollgate_operational_checkpoints_total", "tollgate_operational_checkpoint_seconds_total",
+           'tollgate_retention_deleted_rows_total{table="events"}')
+
+
+def lake_state(data_dir: Path, last: dict[str, float]) -> str:
     """The export's lag (the age of the oldest row the lake does not hold yet) and the
-    events the last round left behind, and the lake's snapshots, from the writer's metrics
-    file."""
+    events the last round left behind, the lake's snapshots, and over the interval (`last`
+    holds the counters of the one before, updated here) the export's rounds and their mean
+    time, the file's checkpoints and their time, and the events that left the file, from
+    the writer's metrics file."""
     try:
         text = (data_dir / "metrics" / "writer.prom").read_text()
     except OSError:
@@ -235,10 +244,20 @@ def lake_state(data_dir: Path) -> str:
               'tollgate_export_rows_behind{stream="events"}': "events behind {:,.0f}",
               "tollgate_lake_snapshots": "lake snapshots {:,.0f}"}
     out = []
+    now: dict[str, float] = {}
     for line in text.splitlines():
         name = line.split(" ", 1)[0]
         if name in wanted:
             out.append(wanted[name].format(float(line.rsplit(" ", 1)[1])))
+        elif name in _UPKEEP:
+            now[name] = float(line.rsplit(" ", 1)[1])
+    if len(now) == len(_UPKEEP):
+        d = {k: now[k] - last.get(k, 0.0) for k in _UPKEEP}
+        rounds, round_s, checkpoints, checkpoint_s, deleted = (d[k] for k in _UPKEEP)
+        out.append(f"export rounds {rounds:,.0f} of {1000 * round_s / max(rounds, 1):,.0f} ms"
+                   f" | checkpoints {checkpoints:,.0f} taking {checkpoint_s:,.1f} s"
+                   f" | events left the file {deleted:,.0f}")
+        last.update(now)
     return " | " + ", ".join(out) if out else ""
 
 
@@ -484,6 +503,7 @@ async def drive(service: Service, load: Load, args: argparse.Namespace,
     tasks += [asyncio.create_task(load.gate(f"soak-{i}")) for i in range(args.gate_clients)]
     t0 = last_t = time.monotonic()
     last_events = last_pairs = 0
+    upkeep: dict[str, float] = {}  # the writer's upkeep counters at the last interval
     assert service.proc is not None
     last_cpu = cpu_by_pid(service.proc.pid)
     samples: list[float] = []
@@ -518,7 +538,7 @@ async def drive(service: Service, load: Load, args: argparse.Namespace,
               f" | cores {' '.join(f'{k}={v:.2f}' for k, v in sorted(cores.items()) if v >= 0.01)}"
               f" (sum {sum(cores.values()):.2f})"
               f" | writer MiB {_fmt(writer_memory(service.data_dir))}"
-              f"{lake_state(service.data_dir)}", flush=True)
+              f"{lake_state(service.data_dir, upkeep)}", flush=True)
         last_t, last_events, last_pairs, last_cpu = now, load.events, load.pairs, cpu
     load.stop = True
     sampler.cancel()

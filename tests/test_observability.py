@@ -251,6 +251,13 @@ def test_the_scheduler_and_the_exporter_report_their_progress(
         # and counted those kept: the lake's creation made some.
         assert value(samples, "tollgate_lake_snapshots") >= 1
         assert value(samples, "tollgate_lake_expire_failures_total") == 0
+        # The round that shipped the event was counted and timed; the file's upkeep is shown
+        # (nothing has left it: the window is an hour).
+        assert value(samples, "tollgate_export_rounds_total") >= 1
+        assert value(samples, "tollgate_export_round_seconds_total") > 0
+        assert value(samples, "tollgate_retention_deleted_rows_total", table="events") == 0
+        assert value(samples, "tollgate_operational_checkpoint_failures_total") == 0
+        assert ("tollgate_operational_checkpoints_total", frozenset()) in samples
     finally:
         svc.stop()
         stop_local_prefect_apis(tmp_path)

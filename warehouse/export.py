@@ -125,6 +125,8 @@ class LakeExporter:
         self.rows_exported = {s: 0 for s in STREAMS}
         self.rows_behind = {s: 0 for s in STREAMS}  # left for later rounds by the last one
         self.failures = 0
+        self.rounds = 0  # rounds that shipped rows, and their time
+        self.round_seconds = 0.0
         self.caught_up_at = time.time()  # every row accepted before it is in the lake
         self.events_exported_at = 0.0  # when the last round that shipped events committed
         # Held while this exporter uses the operational file; the file's checkpoint takes it
@@ -210,6 +212,8 @@ class LakeExporter:
         with_lake_retry(lambda: self._write_lake(lake, batches, labels_select, now))
         with self.op_lock:
             self._advance_watermarks(op_conn, batches, now)
+        self.rounds += 1
+        self.round_seconds += time.time() - began
         behind = dict(counts)
         for batch in batches:
             counts[batch.stream] = batch.rows.num_rows

@@ -72,6 +72,7 @@ class Retention:
         self.deleted = {t: 0 for t, _, _ in _TABLES} | {"commits": 0, "leases": 0}
         self.checkpoints = 0
         self.checkpoint_failures = 0
+        self.checkpoint_seconds = 0.0  # the checkpoints' time, the exporter's lock held
         # The lake exporter's hold on the file (`LakeExporter.op_lock`): a checkpoint waits
         # for it rather than fail on the exporter's transaction.
         self.exporter_lock = exporter_lock
@@ -164,9 +165,11 @@ class Retention:
         lock = self.exporter_lock
         if lock is not None and not lock.acquire(timeout=FORCE_WAIT_SECONDS):
             return  # the exporter holds it still: at a later step
+        began = time.perf_counter()
         try:
             self._checkpoint(conn)
         finally:
+            self.checkpoint_seconds += time.perf_counter() - began
             if lock is not None:
                 lock.release()
 

@@ -299,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
         parts["duckdb_buffers"] = int(rows[0][0] or 0) if rows else 0
         return parts
 
-    metrics = WriterMetrics(store, folder.metrics / "writer.prom", exporter, status, memory_of) \
+    metrics = WriterMetrics(store, folder.metrics / "writer.prom", exporter, status, memory_of,
+                            retention) \
         if settings.metrics_on else None
 
     def tick(c: Any) -> None:

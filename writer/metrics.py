@@ -24,6 +24,7 @@ from core.metrics import rss_family, write_registry
 from flows.process_memory import heap_bytes
 from warehouse.export import STREAMS, LakeExporter
 from warehouse.journal import JournaledStore
+from warehouse.retention import Retention
 from warehouse.writer import LoopStatus
 
 __all__ = ["WriterMetrics"]
@@ -85,6 +86,12 @@ class _StateCollector(Collector):
                 shipped.add_metric([stream], exporter.rows_exported.get(stream, 0))
             yield behind
             yield shipped
+            yield CounterMetricFamily("tollgate_export_rounds",
+                                      "Lake export rounds that shipped rows",
+                                      value=exporter.rounds)
+            yield CounterMetricFamily("tollgate_export_round_seconds",
+                                      "Time of the export rounds that shipped rows",
+                                      value=exporter.round_seconds)
             yield CounterMetricFamily("tollgate_export_failures",
                                       "Failed lake export rounds (each retried)",
                                       value=exporter.failures)
@@ -101,6 +108,23 @@ class _StateCollector(Collector):
             yield CounterMetricFamily("tollgate_lake_expire_failures",
                                       "Failed expiries of the lake's old snapshots (each retried"
                                       " 10 minutes later)", value=exporter.expire_failures)
+        retention = self.owner.retention
+        if retention is not None:
+            deleted = CounterMetricFamily("tollgate_retention_deleted_rows",
+                                          "Rows that left the operational file (its window)",
+                                          labels=["table"])
+            for table, rows in sorted(retention.deleted.items()):
+                deleted.add_metric([table], rows)
+            yield deleted
+            yield CounterMetricFamily("tollgate_operational_checkpoints",
+                                      "Checkpoints of the operational file's WAL by the writer",
+                                      value=retention.checkpoints)
+            yield CounterMetricFamily("tollgate_operational_checkpoint_failures",
+                                      "Checkpoints of the operational file that failed (retried)",
+                                      value=retention.checkpoint_failures)
+            yield CounterMetricFamily("tollgate_operational_checkpoint_seconds",
+                                      "Time the writer's checkpoints took, the exporter waiting",
+                                      value=retention.checkpoint_seconds)
         yield GaugeMetricFamily("tollgate_writer_last_tick_timestamp_seconds",
                                 "When the writer's tick last ran (Unix time)", value=time.time())
         memory = self.owner.memory_parts()
@@ -117,10 +141,12 @@ class _StateCollector(Collector):
 class WriterMetrics:
     def __init__(self, store: JournaledStore, path: Path,
                  exporter: LakeExporter | None = None, status: LoopStatus | None = None,
-                 memory_of: Callable[[], dict[str, int]] | None = None) -> None:
+                 memory_of: Callable[[], dict[str, int]] | None = None,
+                 retention: Retention | None = None) -> None:
         """`memory_of` returns the writer's own parts (DuckDB's and the index's), called from
         the thread that calls `write`."""
         self.store = store
+        self.retention = retention
         self.memory_of = memory_of
         self._memory: dict[str, int] = {}
         self._memory_at = 0.0
