@@ -10,6 +10,7 @@ import time
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import pytest
@@ -90,16 +91,23 @@ def test_a_preloaded_history_restarts_fast_in_bounded_memory_and_still_dedupes(f
         lake.close()
 
 
-@pytest.mark.lake
-def test_events_leave_the_operational_file_after_the_window_and_stay_duplicates(fresh_service: Service) -> None:
-    svc = fresh_service
-    svc.env["TOLLGATE_OPERATIONAL_WINDOW_SECONDS"] = "1"
-    svc.start()
+def _store_51_events(svc: Service) -> tuple[dict[str, object], Any, list[dict[str, object]]]:
+    """One single event (seq 1) and a batch of 50 (seqs 2-51): (the single's body, its
+    reply, the batch's bodies)."""
     single = _event()
     first = svc.post("/mgt/v1/events", single, account="acct_events")
     assert first.status_code == 201, first.text
     batch = [_event() for _ in range(50)]
     assert svc.post("/mgt/v1/events/batch", {"events": batch}, account="acct_events").status_code == 207
+    return single, first, batch
+
+
+@pytest.mark.lake
+def test_events_leave_the_operational_file_after_the_window_and_stay_duplicates(fresh_service: Service) -> None:
+    svc = fresh_service
+    svc.env["TOLLGATE_OPERATIONAL_WINDOW_SECONDS"] = "1"
+    svc.start()
+    single, first, batch = _store_51_events(svc)
     time.sleep(1.5)  # past the window
     svc.stop()  # the last export ships them, then they leave the file
     op = duckdb.connect(str(svc.data_dir / "operational.duckdb"), read_only=True)
@@ -126,11 +134,7 @@ def test_past_the_rows_bound_the_oldest_exported_events_leave_however_young(fres
     svc = fresh_service
     svc.env["TOLLGATE_OPERATIONAL_WINDOW_ROWS"] = "20"  # the hour's window stays
     svc.start()
-    single = _event()
-    first = svc.post("/mgt/v1/events", single, account="acct_events")
-    assert first.status_code == 201, first.text
-    batch = [_event() for _ in range(50)]
-    assert svc.post("/mgt/v1/events/batch", {"events": batch}, account="acct_events").status_code == 207
+    single, first, batch = _store_51_events(svc)
     svc.stop()  # the last export ships them, then all but the newest 20 leave the file
     op = duckdb.connect(str(svc.data_dir / "operational.duckdb"), read_only=True)
     try:
