@@ -93,7 +93,7 @@ class _ServiceCollector(Collector):
                                     "Body bytes of event requests admitted and not yet answered",
                                     value=runtime.ingest_bytes)
             yield CounterMetricFamily("tollgate_ingest_refused",
-                                      "Event requests answered 503 STORAGE.BUSY (the ingest queue was full)",
+                                      "Event requests answered 503 STORAGE.BUSY (the ingest queue was full, or the lake export far behind)",
                                       value=runtime.ingest_refused)
         if shared is None:
             families["tollgate_process_resident_memory_bytes"] = rss_family("http")
@@ -174,7 +174,7 @@ class HttpMetrics:
                                           "Body bytes of event requests admitted and not yet answered",
                                           registry=counted, multiprocess_mode="livesum")
             self.ingest_refused = Counter("tollgate_ingest_refused",
-                                          "Event requests answered 503 STORAGE.BUSY (the ingest queue was full)",
+                                          "Event requests answered 503 STORAGE.BUSY (the ingest queue was full, or the lake export far behind)",
                                           registry=counted)
             self.gauges["rss"] = Gauge("tollgate_process_resident_memory_bytes",
                                        "Resident memory of each process of the service", ["process"],

@@ -76,7 +76,7 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "LIMIT.RATE_EXCEEDED": (429, "A rate limit of the feature is full; retry after `Retry-After` seconds (hint `rate.limit`)."),
     "INTERNAL.ERROR": (500, "An unexpected failure, logged with the trace id; no detail is sent."),
     "STORAGE.UNAVAILABLE": (503, "The writer could not make the request durable, is restarting, did not answer within its deadline, or refuses writes while the operational file does (a full disk): retry after `Retry-After` seconds (a retried event already stored is answered as a duplicate; a gate call replays under its `Idempotency-Key`)."),
-    "STORAGE.BUSY": (503, "Event ingestion is at its bound (the requests waiting for storage in this HTTP process); nothing of the request was read or stored: retry after `Retry-After` seconds. Gate calls are not refused by it."),
+    "STORAGE.BUSY": (503, "Event ingestion is at its bound (the requests waiting for storage in this HTTP process, or the events waiting for the lake export); nothing of the request was read or stored: retry after `Retry-After` seconds. Gate calls are not refused by it."),
     "SERVICE.BUSY": (503, "The service holds as many connections as it takes, or is stopping; retry after `Retry-After` seconds. The connection is closed."),
 }
 

@@ -53,6 +53,9 @@ CONNECT_WAIT_SECONDS = 5.0
 # A 503 STORAGE.BUSY (the ingest queue is full) tells the client to retry after this many
 # seconds: the queue's bound is kept to about a second of the writer's work.
 BUSY_RETRY_AFTER_SECONDS = 1
+# And while the lake export's backlog is at its bound (`warehouse.writer.LoopStatus`): the
+# export takes seconds to bring it down to where ingestion is taken again.
+BACKLOG_RETRY_AFTER_SECONDS = 2
 
 
 class IngestAdmission:
@@ -199,9 +202,21 @@ class Runtime:
     def ingest_admission(self, size: int) -> IngestAdmission:
         """Admit an event request of `size` body bytes (as declared; 0 when not) to the ingest
         queue, or refuse it with 503 STORAGE.BUSY and Retry-After when the queue's bytes would
-        pass `ingest_queue_bytes`. A request alone in the queue is always admitted (one body
+        pass `ingest_queue_bytes`, or while the writer says the lake export's backlog is at
+        its bound. A request alone in the queue is always admitted (one body
         larger than the bound would otherwise never be). Use it in a `with` block: the place
         is held until the request is answered. Gate calls never queue here."""
+        busy = self.writer.ingest_busy
+        if busy:
+            # The writer's word (a status frame): the lake export's backlog is at its bound.
+            self.ingest_refused += 1
+            if self.on_ingest_refused is not None:
+                self.on_ingest_refused()
+            raise ServiceUnavailable(
+                "STORAGE.BUSY",
+                f"event ingestion waits for the lake export ({busy}); nothing of this request"
+                f" was read or stored: retry after {BACKLOG_RETRY_AFTER_SECONDS} s",
+                headers={"Retry-After": str(BACKLOG_RETRY_AFTER_SECONDS)})
         bound = self.settings.ingest_queue_bytes
         if self.ingest_requests and self.ingest_bytes + size > bound:
             self.ingest_refused += 1

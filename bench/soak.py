@@ -242,6 +242,8 @@ def lake_state(data_dir: Path, last: dict[str, float]) -> str:
         return ""
     wanted = {"tollgate_export_lag_seconds": "export lag {:,.1f} s",
               'tollgate_export_rows_behind{stream="events"}': "events behind {:,.0f}",
+              "tollgate_export_backlog_events": "backlog {:,.0f}",
+              "tollgate_ingest_backlog_spells_total": "refusal spells {:,.0f}",
               "tollgate_lake_snapshots": "lake snapshots {:,.0f}"}
     out = []
     now: dict[str, float] = {}
@@ -350,6 +352,7 @@ class Load:
         self.next = 0
         self.events = 0
         self.refused = 0
+        self.refusals = 0  # batches answered other than 207 (refused whole)
         self.pairs = 0
         self.auth_lat: list[float] = []
         self.stop = False
@@ -366,8 +369,20 @@ class Load:
             body = (self.template % batch_values(start, self.batch_size, self.occurred)).encode()
             if start == 0:
                 self.first_event = json.dumps(json.loads(body)["events"][0]).encode()
-            status, reply = await conn.request("POST", path, self.signed(
-                path, body, billing_account_id=ACCOUNT), body)
+            try:
+                status, reply = await conn.request("POST", path, self.signed(
+                    path, body, billing_account_id=ACCOUNT), body)
+            except ConnectionError:
+                status, reply = 0, b""
+            if status != 207:
+                # A refusal (503 STORAGE.BUSY: the ingest queue, or the lake export's backlog,
+                # at its bound) is answered before the body is read, and the service closes
+                # the connection the body was still arriving on: wait as Retry-After says
+                # (1-2 s), on a new connection. The batch's numbers are not used again.
+                self.refusals += 1
+                conn.close()
+                await asyncio.sleep(1.5)
+                conn = await Connection.open(self.port)
             # A 207 counts what it accepted: when the storage refuses, every item says so.
             found = (_ACCEPTED.search(reply, max(0, len(reply) - 512))
                      or _ACCEPTED.search(reply)) if status == 207 else None
@@ -375,7 +390,8 @@ class Load:
             self.events += accepted
             if accepted < self.batch_size:
                 self.refused += self.batch_size - accepted
-                await asyncio.sleep(0.2)
+                if status == 207:
+                    await asyncio.sleep(0.2)
         conn.close()
 
     async def gate(self, principal: str) -> None:
@@ -502,7 +518,7 @@ async def drive(service: Service, load: Load, args: argparse.Namespace,
     tasks = [asyncio.create_task(load.batches()) for _ in range(args.clients)]
     tasks += [asyncio.create_task(load.gate(f"soak-{i}")) for i in range(args.gate_clients)]
     t0 = last_t = time.monotonic()
-    last_events = last_pairs = 0
+    last_events = last_pairs = last_refusals = 0
     upkeep: dict[str, float] = {}  # the writer's upkeep counters at the last interval
     assert service.proc is not None
     last_cpu = cpu_by_pid(service.proc.pid)
@@ -531,8 +547,10 @@ async def drive(service: Service, load: Load, args: argparse.Namespace,
         rows.append(row)
         gate = (f" pairs/s={row['pairs_s']:,.0f} auth p50/p99={row['auth_p50']:.1f}/"
                 f"{row['auth_p99']:.1f} ms" if args.gate_clients else "")
+        refusals = load.refusals - last_refusals
         print(f"t={row['t']:5.0f}s events/s={row['events_s']:,.0f} speed={speed:.2f}"
               f" stored={load.events:,}{gate}"
+              f"{f' refused batches={refusals:,}' if refusals else ''}"
               f" | RSS MiB {_fmt(rss)} | writer RSS min/median/max"
               f" {'/'.join(f'{v:,.0f}' for v in writer_band)} | data MiB {_fmt(folder)}"
               f" | cores {' '.join(f'{k}={v:.2f}' for k, v in sorted(cores.items()) if v >= 0.01)}"
@@ -540,6 +558,7 @@ async def drive(service: Service, load: Load, args: argparse.Namespace,
               f" | writer MiB {_fmt(writer_memory(service.data_dir))}"
               f"{lake_state(service.data_dir, upkeep)}", flush=True)
         last_t, last_events, last_pairs, last_cpu = now, load.events, load.pairs, cpu
+        last_refusals = load.refusals
     load.stop = True
     sampler.cancel()
     await asyncio.gather(*tasks, sampler, return_exceptions=True)

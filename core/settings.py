@@ -25,6 +25,7 @@ them see the same settings.
 | TOLLGATE_WRITER_MEMORY            | 1GiB         | the writer process's memory ceiling: DuckDB's memory limit and the event index's cache are cut from it (`writer.host`) |
 | TOLLGATE_OPERATIONAL_WINDOW_SECONDS | 3600       | how long exported events, rating rows and commits stay in the operational file (`warehouse.retention`) |
 | TOLLGATE_OPERATIONAL_WINDOW_ROWS  | 32 M a GiB of TOLLGATE_WRITER_MEMORY | the most rows of a stream the lake holds that the operational file keeps, whatever their age (`warehouse.retention`) |
+| TOLLGATE_EXPORT_BACKLOG_ROWS      | 4000000      | events the operational file may hold that the lake lacks; from there event ingestion gets 503 `STORAGE.BUSY` until the export is back under 90 % of it (`warehouse.writer.LoopStatus`); 0: no bound |
 | TOLLGATE_LAKE_SNAPSHOT_HOURS      | 6            | how far back the lake's snapshots reach (time travel); older ones are expired every 10 minutes (`warehouse.export`) |
 
 The HTTP process's limits (docs/api.md, "Limits"), each a positive number:
@@ -277,6 +278,9 @@ class Settings:
     # The most rows of a stream the lake holds that stay in the operational file, however
     # young; 0: `window_rows` derives it from `writer_memory`.
     operational_window_rows: int = 0
+    # Events not yet in the lake that the operational file may hold before event ingestion is
+    # refused (`warehouse.writer.LoopStatus`); 0: no bound.
+    export_backlog_rows: int = 4_000_000
     # How long the lake keeps its snapshots (TOLLGATE_LAKE_SNAPSHOT_HOURS, in seconds here).
     lake_snapshot_seconds: float = 6 * 3600.0
 
@@ -313,6 +317,7 @@ class Settings:
                                       "TOLLGATE_WRITER_MEMORY"),
             operational_window_seconds=_positive_seconds(env, "TOLLGATE_OPERATIONAL_WINDOW_SECONDS", 3600.0),
             operational_window_rows=_whole_number(env, "TOLLGATE_OPERATIONAL_WINDOW_ROWS", 0),
+            export_backlog_rows=_whole_number(env, "TOLLGATE_EXPORT_BACKLOG_ROWS", 4_000_000),
             lake_snapshot_seconds=3600.0 * _positive_seconds(env, "TOLLGATE_LAKE_SNAPSHOT_HOURS", 6.0),
             max_body_bytes=_positive_int(env, "TOLLGATE_MAX_BODY_BYTES", 16 * 1024 * 1024),
             max_header_bytes=_positive_int(env, "TOLLGATE_MAX_HEADER_BYTES", 32 * 1024),

@@ -156,3 +156,92 @@ def test_a_flood_of_batches_is_refused_past_its_bound_while_the_gate_answers(tmp
         assert found == (accepted[0], accepted[0])
     finally:
         svc.stop()
+
+
+def _metric(svc: Service, name: str) -> float:
+    for line in httpx.get(svc.base_url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no {name} in /metrics")
+
+
+def _lake_flood_events(data_dir: Path) -> tuple[int, int]:
+    conn = connect_lake(data_dir, read_only=True)
+    try:
+        found: Any = conn.execute("SELECT count(*), count(DISTINCT event_id) FROM lake.events "
+                                  "WHERE event_type = 'flood.check'").fetchone()
+        return int(found[0]), int(found[1])
+    finally:
+        conn.close()
+
+
+def test_past_the_export_backlog_bound_ingestion_is_refused_until_the_lake_catches_up(tmp_path: Path) -> None:
+    """The lake export held (a compaction's turn, taken here as the compaction takes it):
+    events pile up in the operational file until the bound, then every event route of every
+    worker answers 503 STORAGE.BUSY with Retry-After 2 while the gate goes on; once the
+    export runs again and ships the backlog, ingestion is taken again. The lake holds every
+    acknowledged event once, and none of the refused."""
+    from warehouse.lake import compaction_turn
+
+    svc = make_service(tmp_path)
+    svc.env = {"TOLLGATE_EXPORT_BACKLOG_ROWS": "1000", "TOLLGATE_SCHEDULES": "off"}
+    svc.start()
+    try:
+        run = uuid.uuid4().hex[:8]
+        accepted = 0
+        with httpx.Client(timeout=30) as client:
+            first = _post(client, svc, "/mgt/v1/events/batch", _batch(run, 0), billing_account_id=ACCOUNT)
+            assert first.status_code == 207, first.text
+            accepted += first.json()["data"]["accepted_count"]
+            deadline = time.monotonic() + 30
+            while _lake_flood_events(tmp_path)[0] < accepted:  # the export runs
+                assert time.monotonic() < deadline, "the first batch never reached the lake"
+                time.sleep(0.2)
+            assert _metric(svc, "tollgate_export_backlog_limit_events") == 1000
+            with compaction_turn(tmp_path):
+                refused: httpx.Response | None = None
+                for n in range(1, 6):  # 400 events a batch: the bound is reached by the third
+                    r = _post(client, svc, "/mgt/v1/events/batch", _batch(run, n), billing_account_id=ACCOUNT)
+                    if r.status_code == 503:
+                        refused = r
+                        break
+                    assert r.status_code == 207, r.text
+                    accepted += r.json()["data"]["accepted_count"]
+                    time.sleep(0.6)  # past the writer's tick, which tells the workers
+                assert refused is not None, "never refused"
+                assert 1000 <= accepted - BATCH < 2000  # refused from the bound on, not before
+                assert refused.json()["code"] == "STORAGE.BUSY", refused.text
+                assert refused.headers["retry-after"] == "2"
+                # Every worker refuses (requests land on either), single events too.
+                for i in range(6):
+                    single = json.dumps({"semantic_kind": "activity", "event_type": "flood.check",
+                                         "occurred_at": "2026-11-20T10:00:00Z",
+                                         "subject_ref": f"{run}-single-{i}"}).encode()
+                    s = _post(client, svc, "/mgt/v1/events", single, billing_account_id=ACCOUNT)
+                    assert s.status_code == 503 and s.json()["code"] == "STORAGE.BUSY", s.text
+                # The gate goes on.
+                body = json.dumps({"feature_code": "gate.unit", "estimated_quantity_minor": "1"}).encode()
+                auth = _post(client, svc, "/mgt/v1/gate/authorize", body, principal_id="team-c")
+                assert auth.status_code == 200, auth.text
+                cancel = json.dumps({"lease_token": auth.json()["data"]["lease_token"]}).encode()
+                assert _post(client, svc, "/mgt/v1/gate/cancel", cancel, principal_id="team-c").status_code == 200
+                time.sleep(0.6)  # the writer's metrics file is written by its tick
+                assert _metric(svc, "tollgate_ingest_backlog_refusing") == 1
+                assert _metric(svc, "tollgate_export_backlog_events") >= 1000
+            # The compaction's turn is over: the export ships the backlog, ingestion resumes.
+            deadline = time.monotonic() + 30
+            while True:
+                r = _post(client, svc, "/mgt/v1/events/batch", _batch(run, 99), billing_account_id=ACCOUNT)
+                if r.status_code == 207:
+                    accepted += r.json()["data"]["accepted_count"]
+                    break
+                assert r.status_code == 503 and r.headers["retry-after"] == "2", r.text
+                assert time.monotonic() < deadline, "ingestion was never taken again"
+                time.sleep(0.5)
+            assert _metric(svc, "tollgate_ingest_backlog_spells_total") == 1
+        deadline = time.monotonic() + 30
+        while _lake_flood_events(tmp_path)[0] < accepted and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _lake_flood_events(tmp_path) == (accepted, accepted)
+    finally:
+        svc.stop()

@@ -128,6 +128,10 @@ class LakeExporter:
         self.rounds = 0  # rounds that shipped rows, and their time
         self.round_seconds = 0.0
         self.caught_up_at = time.time()  # every row accepted before it is in the lake
+        # The last seq of each stream the lake holds (its watermark), once a round has read
+        # it: with the writer's last seq it gives the backlog ingestion is refused past
+        # (`writer.host`, TOLLGATE_EXPORT_BACKLOG_ROWS).
+        self.exported_seq: dict[str, int | None] = {s: None for s in STREAMS}
         self.events_exported_at = 0.0  # when the last round that shipped events committed
         # Held while this exporter uses the operational file; the file's checkpoint takes it
         # too (`warehouse.retention`), so it never meets one of this thread's transactions.
@@ -200,6 +204,7 @@ class LakeExporter:
                 if stream not in self._reconciled:
                     marks[stream] = self._reconcile(op_conn, lake, marks[stream])
                     self._reconciled.add(stream)
+                self.exported_seq[stream] = marks[stream].last_seq
             batches = [b for b in (self._read_batch(op_conn, marks[s]) for s in STREAMS) if b is not None]
         self.behind = any(b.full for b in batches)
         counts = {s: 0 for s in STREAMS}
@@ -306,6 +311,8 @@ class LakeExporter:
         with transaction(op_conn):
             for batch in batches:
                 self._store_watermark(op_conn, Watermark(batch.stream, batch.to_seq, batch.export_id), now)
+        for batch in batches:
+            self.exported_seq[batch.stream] = batch.to_seq
 
     def _labels_query(self, op_conn: duckdb.DuckDBPyConnection) -> str:
         """The SELECT of the operational `event_labels` view, to run over one batch of events.

@@ -30,8 +30,10 @@ many rows beyond it as it may), every op but the read-only ones is answered 503
 `STORAGE.UNAVAILABLE` with `Retry-After` before it is decided; if the in-memory state could
 not be rebuilt after a failed group (the file cannot take the journal's rows), every op is,
 until a tick manages it. Neither ends the writer. The writer tells the service when either
-starts or ends with a status frame, `[0, true, {"refusing": bool, "reason": str}]` (request
-ids start at 1), which `/healthz` reports.
+starts or ends with a status frame, `[0, true, {"refusing": bool, "reason": str,
+"ingest_busy": str}]` (request ids start at 1), which `/healthz` reports. `ingest_busy` is
+the other refusal, of event ingestion alone, while the lake export's backlog is at its bound
+(`LoopStatus`): the HTTP processes answer event posts 503 `STORAGE.BUSY` before reading them.
 
 With several HTTP workers (`tollgate serve --workers N`), each worker has a connection of its
 own, accepted on a listening Unix socket the service passes to the writer; ops of every
@@ -187,23 +189,59 @@ def _refuse_frame(frame: bytes, exc: Exception, refused: list[tuple[int, bool, A
 
 
 class LoopStatus:
-    """What the writer loop refuses, for its metrics and its status frames."""
+    """What the writer loop refuses, for its metrics and its status frames.
 
-    __slots__ = ("stale", "refused_ops", "sent")
+    Besides the refusals of every write (`refusing`), event ingestion alone is refused while
+    the lake export's backlog is at its bound (`backlog_bound` rows the operational file holds
+    that the lake lacks, read from `backlog`): from the bound until the export has brought it
+    down to `BACKLOG_RESUME` of it. The gate goes on. Nothing else bounds those rows: they
+    stay in the file until the lake has them, whatever the window."""
 
-    def __init__(self) -> None:
+    __slots__ = ("stale", "refused_ops", "sent", "backlog", "backlog_bound", "busy",
+                 "busy_since", "busy_spells")
+
+    # Ingestion is taken again once the backlog is down to this share of its bound: a gap
+    # wide enough that the refusals come in spells of seconds, not request by request.
+    BACKLOG_RESUME = 0.9
+
+    def __init__(self, backlog: Callable[[], int | None] | None = None, backlog_bound: int = 0) -> None:
         # Why the in-memory state awaits a rebuild from the file (every op refused); "" if not.
         self.stale = ""
         self.refused_ops = 0  # ops answered 503 before they were decided
-        self.sent: tuple[bool, str] = (False, "")  # the last status frame sent
+        self.sent: tuple[bool, str, str] = (False, "", "")  # the last status frame sent
+        self.backlog = backlog
+        self.backlog_bound = backlog_bound
+        self.busy = False  # ingestion refused for the export's backlog
+        self.busy_since = 0.0  # time.monotonic() when the current spell began
+        self.busy_spells = 0
 
-    def current(self, store: JournaledStore) -> tuple[bool, str]:
+    def current(self, store: JournaledStore) -> tuple[bool, str, str]:
+        busy = self._ingest_busy()
         if self.stale:
-            return True, "storage: the writer waits for the operational file to take the journal's rows"
+            return True, "storage: the writer waits for the operational file to take the journal's rows", busy
         if store.refusing:
             return True, (f"storage: the operational file refuses writes; {store.unapplied_rows}"
-                          " acknowledged rows wait for it")
-        return False, ""
+                          " acknowledged rows wait for it"), busy
+        return False, "", busy
+
+    def _ingest_busy(self) -> str:
+        """Why event ingestion is refused ("" when it is not), with the hysteresis above."""
+        bound = self.backlog_bound
+        behind = self.backlog() if self.backlog is not None and bound > 0 else None
+        if behind is not None:
+            if not self.busy and behind >= bound:
+                self.busy, self.busy_since = True, time.monotonic()
+                self.busy_spells += 1
+                log.warning("refusing event ingestion: %d rows wait for the lake export (the"
+                            " bound is %d); taken again below %d", behind, bound,
+                            int(bound * self.BACKLOG_RESUME))
+            elif self.busy and behind <= bound * self.BACKLOG_RESUME:
+                self.busy = False
+                log.warning("taking event ingestion again after %.1f s: %d rows wait for the"
+                            " lake export", time.monotonic() - self.busy_since, behind)
+        if not self.busy:
+            return ""
+        return f"the lake export is {bound} rows or more behind"
 
 
 def _status_frame(status: LoopStatus, store: JournaledStore) -> bytes:
@@ -211,12 +249,14 @@ def _status_frame(status: LoopStatus, store: JournaledStore) -> bytes:
     now = status.current(store)
     if now == status.sent:
         return b""
+    was = status.sent
     status.sent = now
-    if now[0]:
-        log.error("refusing writes: %s", now[1])
-    else:
-        log.warning("taking writes again")
-    return _frame(_encode((0, True, {"refusing": now[0], "reason": now[1]})))
+    if now[:2] != was[:2]:
+        if now[0]:
+            log.error("refusing writes: %s", now[1])
+        else:
+            log.warning("taking writes again")
+    return _frame(_encode((0, True, {"refusing": now[0], "reason": now[1], "ingest_busy": now[2]})))
 
 
 def run_writer(
@@ -436,10 +476,10 @@ def run_writer(
 def _status_now(status: LoopStatus) -> bytes:
     """The last status frame sent, for a connection that missed it; nothing when writes are
     taken (what a connection assumes)."""
-    refusing, reason = status.sent
-    if not refusing:
+    refusing, reason, busy = status.sent
+    if not refusing and not busy:
         return b""
-    return _frame(_encode((0, True, {"refusing": refusing, "reason": reason})))
+    return _frame(_encode((0, True, {"refusing": refusing, "reason": reason, "ingest_busy": busy})))
 
 
 def _accept(listener: socket.socket, peers: dict[int, tuple[socket.socket, bytearray]],
@@ -624,6 +664,8 @@ class WriterClient(asyncio.Protocol):
         self.late_replies = 0
         # Why the writer refuses writes, from its latest status frame; "" while it takes them.
         self.refusing = ""
+        # Why it refuses event ingestion alone (the lake export's backlog); "" while it takes it.
+        self.ingest_busy = ""
         self.closed = False
         # Completes when the writer's end has closed (or this end was closed).
         self.lost: asyncio.Future[None] | None = None
@@ -709,6 +751,7 @@ class WriterClient(asyncio.Protocol):
                 state = self._failure_decoder.decode(raw)
                 self.refusing = str(state.get("reason") or "storage refuses writes") \
                     if state.get("refusing") else ""
+                self.ingest_busy = str(state.get("ingest_busy") or "")
                 continue
             entry = waiting.pop(rid, None)
             if entry is None:  # its op passed the deadline and was answered already

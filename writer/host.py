@@ -235,6 +235,14 @@ def main(argv: list[str] | None = None) -> int:
     gate.rebuild(conn)
     exporter = LakeExporter(settings.data_dir,
                             snapshot_window=timedelta(seconds=settings.lake_snapshot_seconds))
+
+    def export_backlog() -> int | None:
+        # Events the writer has numbered that the lake does not hold yet; unknown until the
+        # exporter's first round has read its watermark.
+        exported = exporter.exported_seq["events"]
+        return None if exported is None else max(0, outbox.last_seq - exported)
+
+    status.backlog, status.backlog_bound = export_backlog, settings.export_backlog_rows
     retention = Retention(folder.operational, settings.operational_window_seconds,
                           index.durable_watermark, clock=clock, exporter_lock=exporter.op_lock,
                           window_rows=settings.window_rows)

@@ -67,13 +67,27 @@ class _StateCollector(Collector):
             yield CounterMetricFamily("tollgate_writer_refused_ops",
                                       "Ops answered 503 before being decided, while storage refused writes",
                                       value=status.refused_ops)
+            backlog = status.backlog() if status.backlog is not None else None
+            yield GaugeMetricFamily("tollgate_export_backlog_events",
+                                    "Events the operational file holds that the lake lacks",
+                                    value=backlog or 0)
+            yield GaugeMetricFamily("tollgate_export_backlog_limit_events",
+                                    "The export backlog from which event ingestion is refused"
+                                    " (TOLLGATE_EXPORT_BACKLOG_ROWS; 0: no bound)",
+                                    value=status.backlog_bound)
+            yield GaugeMetricFamily("tollgate_ingest_backlog_refusing",
+                                    "1 while event ingestion is refused for the export's backlog",
+                                    value=1 if status.busy else 0)
+            yield CounterMetricFamily("tollgate_ingest_backlog_spells",
+                                      "Spells of event ingestion refused for the export's backlog",
+                                      value=status.busy_spells)
         yield CounterMetricFamily("tollgate_writer_group_failures",
                                   "Groups that could not be committed (their ops answered 503)",
                                   value=self.owner.group_failures)
         if exporter is not None:
             now = time.time()
             yield GaugeMetricFamily("tollgate_export_lag_seconds",
-                                    "Seconds since the lake exporter last had nothing left to ship",
+                                    "Age in seconds of the oldest row the lake lacks (0: it holds every row)",
                                     value=max(0.0, now - exporter.caught_up_at))
             behind = GaugeMetricFamily("tollgate_export_rows_behind",
                                        "Rows of the operational file the last export round left behind",
