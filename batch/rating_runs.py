@@ -190,16 +190,20 @@ def current_batch_sql(where: str = "TRUE") -> str:
     )
 
 
-def current_ratings_sql() -> str:
+def current_ratings_sql(occurred: str = "TRUE") -> str:
     """Every current rating row: batch ratings, inline ratings of events no batch run has
-    rated yet, and gate commit lines."""
-    batch = current_batch_sql()
+    rated yet, and gate commit lines. `occurred`, a condition on `r.occurred_at`, narrows
+    every part, the inline rows' anti-join included, so a range costs its own rows, not the
+    lake's history. Every row of a source shares its occurred_at (an event's, a day's, a
+    commit's), so the condition never splits a source's rows."""
+    batch = current_batch_sql(occurred)
     rated_by_batch = (
         f"SELECT DISTINCT r.realm, r.source_id FROM lake.ratings AS r"
         f" JOIN ({batch_runs_sql()}) AS b ON b.run_id = r.run_id WHERE r.source = 'event'"
+        f" AND ({occurred})"
     )
     inline = (
-        f"SELECT r.* FROM lake.ratings AS r WHERE r.source = 'event'"
+        f"SELECT r.* FROM lake.ratings AS r WHERE r.source = 'event' AND ({occurred})"
         f" AND r.run_id NOT IN (SELECT run_id FROM lake.rating_runs WHERE kind IN ({_BATCH_KIND_LIST}))"
         f" AND NOT EXISTS (SELECT 1 FROM ({rated_by_batch}) AS x"
         "  WHERE x.realm = r.realm AND x.source_id = r.source_id)"
@@ -207,7 +211,8 @@ def current_ratings_sql() -> str:
     return (
         f"SELECT {RATING_COLUMNS} FROM ({batch})"
         f" UNION ALL SELECT {RATING_COLUMNS} FROM ({inline})"
-        f" UNION ALL SELECT {RATING_COLUMNS} FROM lake.ratings WHERE source = 'gate_commit'"
+        f" UNION ALL SELECT {RATING_COLUMNS} FROM lake.ratings AS r WHERE r.source = 'gate_commit'"
+        f" AND ({occurred})"
     )
 
 

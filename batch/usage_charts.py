@@ -8,12 +8,12 @@ as bar heights, and the axes read in USD.
 
     month_usages(day_rows)          MonthUsage per (realm, account, month) of report day rows
     render_month_chart(usage, path) the PNG, written whole (a reader never sees half a file)
-    publish_charts(root, usages)    `<root>/<realm>/<account>/<YYYY-MM>.png` for every usage,
-                                    and nothing else under `root`
+    publish_charts(root, usages, months)  `<root>/<realm>/<account>/<YYYY-MM>.png` for every
+                                    usage; of `months` (None: every month) nothing else
     format_usd(xusd)                an amount in USD, exact: 1234500 -> "1.2345"
 
-`publish-usage-reports` (flows/reports.py) publishes the charts of every month of its
-report; `tollgate report` (cli/report.py) draws one. The same usage always gives the same
+`publish-usage-reports` (flows/reports.py) publishes the charts of the months it
+publishes; `tollgate report` (cli/report.py) draws one. The same usage always gives the same
 bytes (no time or random state in the file), so a chart changes exactly when its usage does.
 """
 
@@ -35,7 +35,7 @@ from urllib.parse import quote
 
 import pyarrow as pa
 
-__all__ = ["MonthUsage", "Published", "chart_path", "format_usd", "month_usages",
+__all__ = ["Charted", "MonthUsage", "Published", "chart_path", "format_usd", "month_usages",
            "publish_charts", "render_month_chart", "usd_decimals"]
 
 XUSD_PER_USD = 1_000_000
@@ -145,35 +145,58 @@ def _folder(name: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Published:
-    """What publish_charts did: every chart of the publication with its file, how many it
-    drew, kept as they were (same usage) and removed (no longer in the report)."""
+    """What publish_charts did: every chart under the root with its file (those of the
+    months it was not given too), how many it drew, kept as they were (same usage) and
+    removed (no longer in the report)."""
 
-    charts: list[tuple[MonthUsage, Path]]
+    charts: list[tuple[Charted, Path]]
     drawn: int
     kept: int
     removed: int
 
 
-def publish_charts(root: Path, usages: Sequence[MonthUsage]) -> Published:
-    """The chart of every usage under `root` (see chart_path), and no other: a chart whose
-    usage is no longer reported is removed. A chart whose usage has not changed since it
-    was drawn (its digest, kept in `<root>/.digests.json`) is not drawn again."""
+@dataclass(frozen=True, slots=True)
+class Charted:
+    """What a chart's listing says of it: whose month, and its total."""
+
+    realm: str
+    account: str
+    month: date
+    total_xusd: int
+
+
+def publish_charts(root: Path, usages: Sequence[MonthUsage],
+                   months: Iterable[date] | None = None) -> Published:
+    """The chart of every usage under `root` (see chart_path). `months` (first days) are the
+    months the usages stand for: a chart of one of them whose usage is not among `usages` is
+    removed, and the charts of other months stay as they are; None stands for every month,
+    so `root` then holds these charts and no other. A chart whose usage has not changed
+    since it was drawn (its digest, kept in `<root>/.digests.json` with its listing) is not
+    drawn again."""
     root.mkdir(parents=True, exist_ok=True)
     try:
-        known: dict[str, str] = json.loads((root / _DIGESTS).read_text())
+        known: dict[str, Any] = json.loads((root / _DIGESTS).read_text())
     except (OSError, ValueError):
         known = {}
-    digests: dict[str, str] = {}
-    charts = []
+    scope = None if months is None else set(months)
+    records: dict[str, dict[str, Any]] = {}
+    if scope is not None:
+        # The charts of the months not published this time stay, with their listings.
+        for name, record in known.items():
+            if (isinstance(record, dict) and date.fromisoformat(record["month"]) not in scope
+                    and (root / name).exists()):
+                records[name] = record
     drawn = 0
     for usage in usages:
         path = chart_path(root, usage.realm, usage.account, usage.month)
         name = path.relative_to(root).as_posix()
-        digests[name] = usage.digest()
-        if known.get(name) != digests[name] or not path.exists():
+        digest = usage.digest()
+        before = known.get(name)
+        if not isinstance(before, dict) or before.get("digest") != digest or not path.exists():
             render_month_chart(usage, path)
             drawn += 1
-        charts.append((usage, path))
+        records[name] = {"digest": digest, "realm": usage.realm, "account": usage.account,
+                         "month": usage.month.isoformat(), "total_xusd": str(usage.total_xusd)}
     removed = 0
     for found in sorted(root.rglob("*.png")):
         if found.name.startswith("."):
@@ -184,14 +207,16 @@ def publish_charts(root: Path, usages: Sequence[MonthUsage]) -> Published:
                     found.unlink(missing_ok=True)
             except OSError:
                 pass  # renamed into place meanwhile
-        elif found.relative_to(root).as_posix() not in digests:
+        elif found.relative_to(root).as_posix() not in records:
             found.unlink(missing_ok=True)
             removed += 1
     for folder in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
         if not any(folder.iterdir()):
             folder.rmdir()
-    _replace(root / _DIGESTS, json.dumps(digests, indent=1, sort_keys=True).encode())
-    return Published(charts, drawn, len(charts) - drawn, removed)
+    _replace(root / _DIGESTS, json.dumps(records, indent=1, sort_keys=True).encode())
+    charts = [(Charted(r["realm"], r["account"], date.fromisoformat(r["month"]), int(r["total_xusd"])),
+               root / name) for name, r in sorted(records.items())]
+    return Published(charts, drawn, len(usages) - drawn, removed)
 
 
 def render_month_chart(usage: MonthUsage, path: Path) -> Path:

@@ -1,17 +1,21 @@
 """What a scheduled flow's bookkeeping costs as the lake's history grows.
 
-Every minute `rate-events` asks the lake what is new (`batch.sweep._state`), and every 15
+Every minute `rate-events` asks the lake what is new (`batch.sweep._state`), every 15
 minutes `close-aggregate-days` finds the aggregate days to rate (`batch.aggregate_days.
-_candidate_days`). Neither may cost more with a longer history: this bench makes a data
-folder, grows its lake in steps with `bench.preload` (events written straight into the
-stores as the service exports them, one export per 500,000), and after each step times,
-on the same lake and connection:
+_candidate_days`), and every hour `publish-usage-reports` publishes the days that changed
+(`batch.usage_reports.publish_report`). None may cost more with a longer history: this
+bench makes a data folder, grows its lake in steps with `bench.preload` (events written
+straight into the stores as the service exports them, one export per 500,000; each step's
+on a day of its own before today), and after each step times, on the same lake:
 
 - `state`: the sweep's question, as the sweep asks it (median of 5);
 - `close`: a close of aggregate days 10 minutes after the last, with nothing new since
   (median of 5);
 - the raw limit: one full read of the export_id column (`max(export_id)` and a count over
-  lake.events), what the sweep's question cost when it read the history.
+  lake.events), what the sweep's question cost when it read the history;
+- `publish`: a publication after an hour's traffic (3,600 events that occurred in the last
+  hour, swept), and one with nothing new (median of 3), against the report of every day
+  and month that each publication built before it followed the change feed (median of 3).
 
     python bench/flow_history.py [--steps 2000000,8000000,20000000]
 """
@@ -27,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -35,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from batch.aggregate_days import close_aggregate_days  # noqa: E402
 from batch.rating_plan import RatingPlan  # noqa: E402
 from batch.sweep import _state, sweep  # noqa: E402
+from batch.usage_reports import build_usage_report, publish_report  # noqa: E402
 from bench.loopback import ROOT, free_port  # noqa: E402
 from bench.preload import preload  # noqa: E402
 from core.clock import ManualClock  # noqa: E402
@@ -65,10 +70,10 @@ def _initialise(data_dir: Path) -> None:
     proc.wait(timeout=30)
 
 
-def measure(data_dir: Path, clock: ManualClock) -> tuple[float, float, float, int]:
-    """(state ms, close ms, raw ms, the events table's files) on the lake as it is. The
-    clock moves as the schedules would: a sweep, a close 10 minutes later, the measured
-    closes 10 minutes after that, with nothing new since."""
+def measure(data_dir: Path, clock: ManualClock, seed: int) -> dict[str, float]:
+    """The figures of the lake as it is (see the module's doc), in ms, and the events
+    table's files. The clock moves as the schedules would: a sweep, a close 10 minutes
+    later, the measured closes 10 minutes after that, with nothing new since."""
     conn = connect_lake(data_dir)
     try:
         plan = RatingPlan.from_catalog(applied_catalog(data_dir, conn))
@@ -87,9 +92,24 @@ def measure(data_dir: Path, clock: ManualClock) -> tuple[float, float, float, in
         state = _median_ms(lambda: _state(conn))
         close = _median_ms(close_now)
         files = conn.execute("SELECT count(*) FROM ducklake_list_files('lake', 'events')").fetchone()
-        return state, close, raw, int(files[0]) if files else 0
+        publish_report(conn, f"report-{seed}-a", clock.now())  # the step's days (not measured)
     finally:
         conn.close()
+    # An hour of traffic that occurred in the last hour, exported and swept.
+    preload(data_dir, 3_600, seed=seed + 1, occurred_from=datetime.now(timezone.utc) - timedelta(hours=1))
+    conn = connect_lake(data_dir)
+    try:
+        sweep(conn, plan, lock, clock=clock)
+        began = time.perf_counter()
+        publish_report(conn, f"report-{seed}-b", clock.now())
+        hour = (time.perf_counter() - began) * 1000
+        runs = iter(range(100))
+        idle = _median_ms(lambda: publish_report(conn, f"report-{seed}-c{next(runs)}", clock.now()), runs=3)
+        whole = _median_ms(lambda: build_usage_report(conn, "whole", clock.now()), runs=3)
+    finally:
+        conn.close()
+    return {"state": state, "close": close, "raw": raw, "files": int(files[0]) if files else 0,
+            "publish_hour": hour, "publish_idle": idle, "report_whole": whole}
 
 
 def main() -> None:
@@ -105,15 +125,21 @@ def main() -> None:
         print(f"nproc={os.cpu_count()} python={sys.version.split()[0]}")
         stored = 0
         clock = ManualClock(datetime.now(timezone.utc))
-        for total in steps:
+        today = datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
+        for i, total in enumerate(steps):
             began = time.monotonic()
-            preload(data_dir, total - stored, seed=total)
+            # Each step on a day of its own, the first the furthest back, none of them today.
+            preload(data_dir, total - stored, seed=total,
+                    occurred_from=today - timedelta(days=len(steps) + 1 - i))
             stored = total
-            state, close, raw, files = measure(data_dir, clock)
-            print(f"events={stored:,} files={files:,}"
-                  f" (grown in {time.monotonic() - began:.0f} s) | state {state:.1f} ms,"
-                  f" close {close:.1f} ms | raw limit (full export_id read) {raw:.1f} ms"
-                  f" | state/raw {state / raw:.2f}")
+            m = measure(data_dir, clock, seed=total)
+            print(f"events={stored:,} files={m['files']:,}"
+                  f" (grown in {time.monotonic() - began:.0f} s) | state {m['state']:.1f} ms,"
+                  f" close {m['close']:.1f} ms | raw limit (full export_id read) {m['raw']:.1f} ms"
+                  f" | state/raw {m['state'] / m['raw']:.2f}"
+                  f" | publish after an hour's 3,600 events {m['publish_hour']:.0f} ms,"
+                  f" with nothing new {m['publish_idle']:.0f} ms | the report of every day"
+                  f" {m['report_whole']:.0f} ms", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

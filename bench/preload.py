@@ -91,16 +91,18 @@ def _chunk(seed: int, first_n: int, count: int, base_us: int, first_seq: int,
     return table, entries
 
 
-def preload(data_dir: Path, count: int, *, seed: int = 0) -> dict[str, Any]:
+def preload(data_dir: Path, count: int, *, seed: int = 0,
+            occurred_from: datetime | None = None) -> dict[str, Any]:
     """Write `count` events into the lake, the index and the watermarks of `data_dir` (a
     folder `tollgate serve` has run in and left). Returns the count, the first event's JSON
-    body (re-sendable with the demo account), the account and the realm."""
+    body (re-sendable with the demo account), the account and the realm. The events occur a
+    millisecond apart from `occurred_from` (default: two days ago, at midnight UTC)."""
     folder = DataFolder(Path(data_dir).resolve())
     if not folder.operational.exists() or not folder.catalog.exists():
         raise SystemExit(f"{folder.root} is not a data folder `tollgate serve` has run in")
     now = datetime.now(timezone.utc)
     # Occurred from two days ago on, a millisecond apart (50 M events: 14 hours).
-    base = (now - timedelta(days=2)).replace(hour=0, minute=0, second=0, microsecond=0)
+    base = occurred_from or (now - timedelta(days=2)).replace(hour=0, minute=0, second=0, microsecond=0)
     base_us = (base - _EPOCH) // timedelta(microseconds=1)
     created_us = (now - _EPOCH) // timedelta(microseconds=1)
     op = open_operational(folder.operational)

@@ -1,19 +1,29 @@
 """The `publish-usage-reports` flow: usage per day and month, per account, feature and meter,
-from the current ratings, written three ways: appended to `lake.usage_reports`, as Parquet
-files under `<data_dir>/reports/`, and as two Prefect table artifacts, `usage-report-days` and
-`usage-report` (months), each showing the newest rows up to its cap.
+from the current ratings, of the UTC days that changed since the last publication and of
+their months (`batch.usage_reports.changed_days`; every day and month the first time),
+written three ways:
+appended to `lake.usage_reports` (the report as it stands is the view
+`lake.usage_reports_latest`), as Parquet files under `<data_dir>/reports/`, and as two Prefect
+table artifacts, `usage-report-days` and `usage-report` (months), each showing the newest
+rows of the report as it stands up to its cap.
 
-Then the usage charts of the report (batch/usage_charts.py): a PNG per account and month under
-`<data_dir>/reports/charts/` (only those of the latest publication; a chart whose usage has
-not changed is not drawn again), listed with their paths in the markdown artifact
-`usage-charts`."""
+Then the usage charts of the months it published (batch/usage_charts.py): a PNG per account
+and month under `<data_dir>/reports/charts/` (a chart whose usage has not changed is not
+drawn again), listed with their paths in the markdown artifact `usage-charts`.
+
+What a publication reads and writes follows what changed since the one before, not the
+lake's history: an hour of traffic costs the ratings of the days it touched (usually today)
+and the published day rows of their months, and an hour with no new ratings costs the
+change feed's look alone."""
 
 from __future__ import annotations
 
 import os
+from datetime import date
 from pathlib import Path
 from typing import Any
 
+import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -21,11 +31,10 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from batch.usage_charts import Published, format_usd, month_usages, publish_charts
-from batch.usage_reports import REPORT_COLUMNS, build_usage_report
+from batch.usage_reports import REPORT_COLUMNS, publish_report
 from core.clock import SYSTEM_CLOCK
 from core.layout import DataFolder
 from flows.workspace import close_lake, open_lake, resolve_data_dir
-from warehouse.lake import transaction, with_lake_retry
 
 __all__ = ["publish_usage_reports"]
 
@@ -37,45 +46,56 @@ _ARTIFACTS = {"day": ("usage-report-days", "Daily usage", 1000),
 _CHARTS_ARTIFACT = ("usage-charts", 500)
 _ARTIFACT_COLUMNS = ["period_start", "realm", "billing_account_id", "feature_code", "meter_code",
                      "quantity_minor", "amount_xusd", "event_count", "line_count"]
+_ORDER = "period, period_start, realm, billing_account_id, feature_code, meter_code"
 
 
 @flow(name="publish-usage-reports")
 def publish_usage_reports(data_dir: str | None = None) -> dict[str, Any]:
-    """Publish the usage report of the current ratings; returns its run id and row counts."""
+    """Publish the usage of the days that changed since the last publication, and of their
+    months; returns its run id, its row counts and the days it covered (None: every day)."""
     folder = resolve_data_dir(data_dir)
+    reports = DataFolder(folder).reports
     published_at = SYSTEM_CLOCK.now()
     run_id = f"report-{published_at.strftime('%Y%m%dT%H%M%S%fZ')}"
     conn = open_lake(folder)
     try:
-        report = build_usage_report(conn, run_id, published_at)
-        conn.register("report_rows", report)
+        report, days = publish_report(conn, run_id, published_at)
         periods = pc.value_counts(report.column("period")).to_pylist() if report.num_rows else []
         rows = {item["values"]: item["counts"] for item in periods}
-
-        def write() -> None:
-            # The rows and the publication's own row land together: an empty publication
-            # still says that it happened, so the latest report is always known.
-            with transaction(conn):
-                conn.execute(f"INSERT INTO lake.usage_reports ({REPORT_COLUMNS})"
-                             f" SELECT {REPORT_COLUMNS} FROM report_rows")
-                conn.execute("INSERT INTO lake.usage_report_runs VALUES (?, ?, ?, ?)",
-                             [run_id, published_at, rows.get("day", 0), rows.get("month", 0)])
-        with_lake_retry(write)
-        conn.unregister("report_rows")
+        files = _write_parquet(conn, reports, run_id, report)
+        totals = {period: _publish_artifact(conn, period, run_id) for period in ("day", "month")}
+        month_days = report.filter(pc.equal(report.column("period"), "day")) if days is None \
+            else _month_days(conn, sorted({d.replace(day=1) for d in days}))
     finally:
         close_lake(conn)
-    files = _write_parquet(DataFolder(folder).reports, run_id, report)
-    counts = {period: _publish_artifact(report, period, run_id) for period in ("day", "month")}
-    charts = publish_charts(DataFolder(folder).report_charts, month_usages(
-        report.filter(pc.equal(report.column("period"), "day"))))
+    # The charts of the months published: their day rows as the report now stands.
+    months = None if days is None else sorted({d.replace(day=1) for d in days})
+    charts = publish_charts(DataFolder(folder).report_charts, month_usages(month_days),
+                            months=months)
     _publish_charts_artifact(charts, run_id)
-    get_run_logger().info("published %s: %d day rows, %d month rows; %d charts (%d drawn, %d"
-                          " removed)", run_id, counts["day"], counts["month"],
+    counts = {period: rows.get(period, 0) for period in ("day", "month")}
+    covered = "every day" if days is None else ", ".join(f"{d:%Y-%m-%d}" for d in days) or "no day"
+    get_run_logger().info("published %s (%s): %d day rows, %d month rows; the report holds %d"
+                          " and %d; %d charts (%d drawn, %d removed)", run_id, covered,
+                          counts["day"], counts["month"], totals["day"], totals["month"],
                           len(charts.charts), charts.drawn, charts.removed)
-    return {"run_id": run_id, "rows": counts, "files": [str(f) for f in files],
+    return {"run_id": run_id, "rows": counts, "report_rows": totals,
+            "days": None if days is None else [d.isoformat() for d in days],
+            "files": [str(f) for f in files],
             "charts": {"folder": str(DataFolder(folder).report_charts),
                        "charts": len(charts.charts), "drawn": charts.drawn,
                        "removed": charts.removed}}
+
+
+def _month_days(conn: duckdb.DuckDBPyConnection, months: list[date]) -> pa.Table:
+    """The day rows of `months` as the report now stands (for their charts)."""
+    if not months:
+        return conn.execute(f"SELECT {REPORT_COLUMNS} FROM lake.usage_reports WHERE false").to_arrow_table()
+    listed = ", ".join(f"DATE '{m.isoformat()}'" for m in months)
+    return conn.execute(
+        f"SELECT {REPORT_COLUMNS} FROM lake.usage_reports_latest WHERE period = 'day'"
+        f" AND CAST(date_trunc('month', period_start) AS DATE) IN ({listed})"
+        f" ORDER BY {_ORDER}").to_arrow_table()
 
 
 def _publish_charts_artifact(charts: Published, run_id: str) -> None:
@@ -96,26 +116,30 @@ def _publish_charts_artifact(charts: Published, run_id: str) -> None:
                              description=f"Usage charts, report {run_id}")
 
 
-def _publish_artifact(report: pa.Table, period: str, run_id: str) -> int:
-    """The table artifact of one period: its newest rows, at most the period's cap; returns
-    how many rows the period has in all."""
+def _publish_artifact(conn: duckdb.DuckDBPyConnection, period: str, run_id: str) -> int:
+    """The table artifact of one period: the newest rows of the report as it stands, at most
+    the period's cap; returns how many rows the period has in all."""
     key, title, cap = _ARTIFACTS[period]
-    rows = report.filter(pc.equal(report.column("period"), period))
-    shown = rows.sort_by([("period_start", "descending"), ("realm", "ascending"),
-                          ("billing_account_id", "ascending"), ("feature_code", "ascending"),
-                          ("meter_code", "ascending")]).slice(0, cap)
+    total = conn.execute("SELECT count(*) FROM lake.usage_reports_latest WHERE period = ?",
+                         [period]).fetchall()[0][0]
+    shown = conn.execute(
+        f"SELECT {', '.join(_ARTIFACT_COLUMNS)} FROM lake.usage_reports_latest WHERE period = ?"
+        " ORDER BY period_start DESC, realm, billing_account_id, feature_code, meter_code"
+        f" LIMIT {int(cap)}", [period]).to_arrow_table()
     create_table_artifact(
         table=[{k: (str(v) if v is not None else None) for k, v in row.items()}
-               for row in shown.select(_ARTIFACT_COLUMNS).to_pylist()],
+               for row in shown.to_pylist()],
         key=key, description=(f"{title}, report {run_id} (amounts in xusd): {shown.num_rows} of"
-                              f" {rows.num_rows} rows, newest first (at most {cap} shown); every row"
-                              f" is in lake.usage_reports and reports/usage_{period}.parquet"))
-    return int(rows.num_rows)
+                              f" {total} rows, newest first (at most {cap} shown); every row"
+                              f" is in lake.usage_reports_latest and reports/usage_{period}.parquet"))
+    return int(total)
 
 
-def _write_parquet(folder: Path, run_id: str, report: pa.Table) -> list[Path]:
-    """`reports/<run_id>/usage_<period>.parquet`, and `reports/usage_<period>.parquet` replaced
-    atomically by the latest."""
+def _write_parquet(conn: duckdb.DuckDBPyConnection, folder: Path, run_id: str,
+                   report: pa.Table) -> list[Path]:
+    """`reports/<run_id>/usage_<period>.parquet` (the publication's own rows), and
+    `reports/usage_<period>.parquet` replaced atomically by the report as it stands (written
+    by DuckDB from `lake.usage_reports_latest`, never held in this process)."""
     kept = folder / run_id
     kept.mkdir(parents=True, exist_ok=True)
     written = []
@@ -125,7 +149,13 @@ def _write_parquet(folder: Path, run_id: str, report: pa.Table) -> list[Path]:
         pq.write_table(rows, target)
         latest = folder / f"usage_{period}.parquet"
         staging = folder / f".usage_{period}.{os.getpid()}.parquet"
-        pq.write_table(rows, staging)
+        conn.execute(f"COPY (SELECT {REPORT_COLUMNS} FROM lake.usage_reports_latest"
+                     f" WHERE period = '{period}' ORDER BY {_ORDER})"
+                     f" TO '{_sql_path(staging)}' (FORMAT parquet)")
         os.replace(staging, latest)
         written += [target, latest]
     return written
+
+
+def _sql_path(path: Path) -> str:
+    return str(path).replace("'", "''")

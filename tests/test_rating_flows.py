@@ -180,7 +180,8 @@ def test_events_sent_over_http_are_swept_priced_and_reported_then_backfilled(
         second = publish_usage_reports(data_dir=str(svc.data_dir))
         days, about = artifact_rows("usage-report-days")   # cut at 3 rows: the newest day's
         assert [r[0] for r in days] == ["2026-11-02"] * 3 and "3 of 5 rows" in about
-        assert second["rows"] == {"day": 5, "month": 5}
+        # The backfill changed November 1st alone: that day's rows and November's month rows.
+        assert second["days"] == ["2026-11-01"] and second["rows"] == {"day": 2, "month": 5}
         month = [row for row in lake_query(svc.data_dir, REPORT.format(run_id=second["run_id"]))
                  if row[0] == "month"]
         assert month == [

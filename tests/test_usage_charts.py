@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from datetime import date
+from datetime import date, datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +175,17 @@ def test_a_chart_no_longer_reported_is_removed_and_ids_stay_one_folder(tmp_path:
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.png")) == [
         "acme/acct_a/2026-11.png"]
     assert not (tmp_path / "acme" / "team%2Fa%3A1").exists()
+    # A publication of October alone: its chart comes back, November's is neither drawn nor
+    # removed, and the listing still holds both with their totals.
+    third = publish_charts(tmp_path, [odd], months=[date(2026, 10, 1)])
+    assert (third.drawn, third.kept, third.removed) == (1, 0, 0)
+    assert sorted((c.account, c.month, c.total_xusd) for c, _ in third.charts) == [
+        ("acct_a", date(2026, 11, 1), 450), ("team/a:1", date(2026, 10, 1), 2_000_000)]
+    # And October with no usage left: only its chart goes.
+    fourth = publish_charts(tmp_path, [], months=[date(2026, 10, 1)])
+    assert (fourth.drawn, fourth.kept, fourth.removed) == (0, 0, 1)
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.png")) == [
+        "acme/acct_a/2026-11.png"]
 
 
 def test_amounts_read_in_usd_exactly() -> None:
@@ -191,3 +202,100 @@ def test_amounts_read_in_usd_exactly() -> None:
                           (date(2026, 11, 2), "calls", 2000))
     assert month.features == (("api.search", 2000), ("llm.chat", 900))
     assert month.total_xusd == 2900
+
+
+def _published(data_dir: Path, run_id: str) -> list[tuple[Any, ...]]:
+    from warehouse.lake import connect_lake
+
+    conn = connect_lake(data_dir, read_only=True)
+    try:
+        return conn.execute(
+            "SELECT period, period_start, realm, billing_account_id, feature_code, meter_code,"
+            " quantity_minor, amount_xusd, event_count, line_count FROM lake.usage_reports"
+            " WHERE run_id = ? ORDER BY ALL", [run_id]).fetchall()
+    finally:
+        conn.close()
+
+
+def _standing(data_dir: Path) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """(the rows of lake.usage_reports_latest, the report of every month computed now)."""
+    from batch.usage_reports import build_usage_report
+    from warehouse.lake import connect_lake
+
+    conn = connect_lake(data_dir, read_only=True)
+    try:
+        columns = ("period, period_start, realm, billing_account_id, feature_code, meter_code,"
+                   " quantity_minor, amount_xusd, event_count, line_count")
+        view = conn.execute(f"SELECT {columns} FROM lake.usage_reports_latest ORDER BY ALL").fetchall()
+        conn.register("now_rows", build_usage_report(conn, "now", datetime.now(timezone.utc)))
+        fresh = conn.execute(f"SELECT {columns} FROM now_rows ORDER BY ALL").fetchall()
+        return view, fresh
+    finally:
+        conn.close()
+
+
+@pytest.mark.lake
+@pytest.mark.prefect
+def test_a_publication_covers_the_days_that_changed_and_the_view_is_the_whole_report(
+        tmp_path: Path, prefect_api: None) -> None:
+    """Publications follow the lake's change feed: the first covers every day, one with
+    nothing new covers none, one after a new rating on October 31st covers that day and
+    October's month rows; the view
+    `usage_reports_latest` is, after each, the report of every month computed afresh, and so
+    is `reports/usage_day.parquet`. Once the snapshot after the last publication has expired
+    the changes cannot be told, and the next publication covers every day again."""
+    import pyarrow.parquet as pq
+
+    from flows.rating import rate_events
+    from flows.reports import publish_usage_reports
+    from warehouse.lake import connect_lake
+
+    feed = LakeFeed(tmp_path)
+    try:
+        apply_catalog(tmp_path, catalog_toml(policies=POLICIES, prices=PRICES))
+        feed.add(llm("acct_a", "2026-10-30T10:00:00Z", 1000, 0),
+                 llm("acct_a", "2026-11-01T10:00:00Z", 2000, 100),
+                 call("acct_b", "2026-11-02T08:00:00Z"))
+        assert rate_events(data_dir=str(tmp_path))["events"] == 3
+        first = publish_usage_reports(data_dir=str(tmp_path))
+        # Days and months: acct_a's tokens in and out on Oct 30 and Nov 1, acct_b's call on Nov 2.
+        assert first["days"] is None and first["rows"] == {"day": 5, "month": 5}
+        view, fresh = _standing(tmp_path)
+        assert view == fresh and len(view) == 10
+
+        second = publish_usage_reports(data_dir=str(tmp_path))
+        assert second["days"] == [] and second["rows"] == {"day": 0, "month": 0}
+        assert second["report_rows"] == {"day": 5, "month": 5}
+        assert _standing(tmp_path)[0] == view  # nothing changed: the view still reads the first
+
+        feed.add(call("acct_b", "2026-10-31T23:59:59Z"))
+        assert rate_events(data_dir=str(tmp_path))["events"] == 1
+        third = publish_usage_reports(data_dir=str(tmp_path))
+        # October 31st, and October's month rows (Oct 30's usage as published, plus the 31st).
+        assert third["days"] == ["2026-10-31"]
+        assert {(r[0], str(r[1]), r[3]) for r in _published(tmp_path, third["run_id"])} == {
+            ("day", "2026-10-31", "acct_b"), ("month", "2026-10-01", "acct_a"),
+            ("month", "2026-10-01", "acct_b")}
+        view, fresh = _standing(tmp_path)
+        assert view == fresh and ("month", date(2026, 10, 1), "acme", "acct_b", "api.search",
+                                  "calls", 1, 2000, 1, 1) in view
+        latest = pq.read_table(tmp_path / "reports" / "usage_day.parquet")
+        assert sorted((r["period_start"], r["billing_account_id"], r["meter_code"], r["amount_xusd"])
+                      for r in latest.to_pylist()) == sorted(
+            (r[1], r[3], r[5], r[7]) for r in fresh if r[0] == "day")
+
+        # Snapshots expire (the exporter's TOLLGATE_LAKE_SNAPSHOT_HOURS): with the one after
+        # the last publication gone, the next covers every month.
+        feed.add(call("acct_a", "2026-11-05T12:00:00Z"))
+        assert rate_events(data_dir=str(tmp_path))["events"] == 1
+        lake = connect_lake(tmp_path)
+        try:
+            lake.execute("CALL ducklake_expire_snapshots('lake', older_than => now())")
+        finally:
+            lake.close()
+        fourth = publish_usage_reports(data_dir=str(tmp_path))
+        assert fourth["days"] is None
+        view, fresh = _standing(tmp_path)
+        assert view == fresh and len([r for r in view if r[0] == "day"]) == 7
+    finally:
+        feed.close()

@@ -41,6 +41,9 @@ Tables (all times UTC):
     usage_reports    period (day|month), period_start DATE, realm, billing_account_id,
                      feature_code, meter_code, quantity_minor BIGINT, amount_xusd BIGINT,
                      event_count BIGINT, line_count BIGINT, run_id, published_at TIMESTAMPTZ
+    usage_report_scopes  run_id, snapshot_id BIGINT, day DATE, whole BOOLEAN: the days
+                     (and their months) each publication covers; the view `usage_reports_latest` reads the
+                     report as it stands through them
     usage_days       the lines of every batch run and of the gate summed per account, UTC
                      day and line kind (`warehouse.usage_days`)
     catalog_versions fingerprint, applied_at TIMESTAMPTZ, source
@@ -109,6 +112,11 @@ LAKE_TABLES: dict[str, str] = {
         event_count BIGINT, line_count BIGINT, run_id VARCHAR, published_at TIMESTAMPTZ""",
     # One row per publication, empty ones included: the latest report is found here.
     "usage_report_runs": "run_id VARCHAR, published_at TIMESTAMPTZ, day_rows BIGINT, month_rows BIGINT",
+    # What each publication covers: one row per UTC day it published (and with it the day's
+    # month; NULL and `whole`: every day and month), and the lake snapshot it read, where the
+    # next one's changes start (`batch.usage_reports.changed_days`). Read through
+    # `usage_reports_latest`.
+    "usage_report_scopes": "run_id VARCHAR, snapshot_id BIGINT, day DATE, whole BOOLEAN",
     "catalog_versions": "fingerprint VARCHAR, applied_at TIMESTAMPTZ, source VARCHAR",
     "catalog_prices": """
         fingerprint VARCHAR, realm VARCHAR, meter_code VARCHAR, price_id VARCHAR,
@@ -168,6 +176,32 @@ _LINES_VIEW = (
     " ON u.run_id = l.run_id"
 )
 RATINGS_VIEW = f"{_ROWS_VIEW} UNION ALL {_LINES_VIEW}"
+
+# The usage report as it stands: for each UTC day, and each month, the rows of the latest
+# publication that covered it (a publication that covers a day covers its month too; a day
+# with no usage left has no rows); what no publication covered since the latest whole one
+# keeps that one's rows. Publications from before `usage_report_scopes` cover nothing here:
+# the first publication after them is whole. Same rule as the ratings view for its version.
+USAGE_LATEST_VIEW_VERSION = "tollgate usage_reports_latest view 1"
+USAGE_LATEST_VIEW = (
+    "WITH scopes AS (SELECT s.run_id, s.day, s.whole, p.published_at"
+    " FROM usage_report_scopes AS s JOIN usage_report_runs AS p ON p.run_id = s.run_id),"
+    " whole AS (SELECT run_id, published_at FROM scopes WHERE whole"
+    " ORDER BY published_at DESC, run_id DESC LIMIT 1),"
+    " later AS (SELECT * FROM scopes WHERE NOT whole AND day IS NOT NULL"
+    " AND published_at >= coalesce((SELECT published_at FROM whole), TIMESTAMPTZ '-infinity')"
+    " AND run_id <> coalesce((SELECT run_id FROM whole), '')),"
+    " days AS (SELECT day AS period_start, arg_max(run_id, (published_at, run_id)) AS run_id"
+    " FROM later GROUP BY 1),"
+    " months AS (SELECT CAST(date_trunc('month', day) AS DATE) AS period_start,"
+    " arg_max(run_id, (published_at, run_id)) AS run_id FROM later GROUP BY 1),"
+    " covered AS (SELECT 'day' AS period, * FROM days UNION ALL SELECT 'month', * FROM months)"
+    " SELECT u.* FROM usage_reports AS u WHERE u.run_id = (SELECT run_id FROM whole)"
+    " AND NOT EXISTS (SELECT 1 FROM covered AS c WHERE c.period = u.period"
+    " AND c.period_start = u.period_start)"
+    " UNION ALL SELECT u.* FROM usage_reports AS u JOIN covered AS c ON u.run_id = c.run_id"
+    " AND u.period = c.period AND u.period_start = c.period_start"
+)
 
 
 def lake_paths(data_dir: Path) -> tuple[Path, Path]:
@@ -330,6 +364,12 @@ def attach_lake(conn: duckdb.DuckDBPyConnection, data_dir: Path, *, read_only: b
                     conn.execute(f"CREATE OR REPLACE VIEW {alias}.ratings AS {RATINGS_VIEW}")
                     conn.execute(f"COMMENT ON VIEW {alias}.ratings IS '{RATINGS_VIEW_VERSION}'")
             with_lake_retry(create_view)
+        if _view_comment(conn, alias, "usage_reports_latest") != USAGE_LATEST_VIEW_VERSION:
+            def create_latest() -> None:
+                with transaction(conn):
+                    conn.execute(f"CREATE OR REPLACE VIEW {alias}.usage_reports_latest AS {USAGE_LATEST_VIEW}")
+                    conn.execute(f"COMMENT ON VIEW {alias}.usage_reports_latest IS '{USAGE_LATEST_VIEW_VERSION}'")
+            with_lake_retry(create_latest)
 
 
 def _roll_back_dead_write(catalog: Path) -> bool:
