@@ -207,7 +207,8 @@ def publish_charts(root: Path, usages: Sequence[MonthUsage],
                     found.unlink(missing_ok=True)
             except OSError:
                 pass  # renamed into place meanwhile
-        elif found.relative_to(root).as_posix() not in records:
+        elif found.relative_to(root).as_posix() not in records and (
+                scope is None or _month_of(found) in scope):
             found.unlink(missing_ok=True)
             removed += 1
     for folder in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
@@ -217,6 +218,14 @@ def publish_charts(root: Path, usages: Sequence[MonthUsage],
     charts = [(Charted(r["realm"], r["account"], date.fromisoformat(r["month"]), int(r["total_xusd"])),
                root / name) for name, r in sorted(records.items())]
     return Published(charts, drawn, len(usages) - drawn, removed)
+
+
+def _month_of(path: Path) -> date | None:
+    """The month a chart's file name (`<YYYY-MM>.png`) says; None if it says none."""
+    try:
+        return date.fromisoformat(path.stem + "-01")
+    except ValueError:
+        return None
 
 
 def render_month_chart(usage: MonthUsage, path: Path) -> Path:

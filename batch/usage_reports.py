@@ -159,8 +159,10 @@ def day_range_sql(days: Sequence[date], column: str = "r.occurred_at") -> str:
 
 
 # A UTC day as days since 1970-01-01, in integers (a cast through the time zone library
-# costs ten times the scan).
-_DAY = "epoch_us({column}) // 86400000000"
+# costs ten times the scan), floored: DuckDB's `//` truncates, which would put an instant
+# before 1970 on the day after its own.
+_DAY = ("((epoch_us({column}) - CASE WHEN epoch_us({column}) < 0 THEN 86399999999 ELSE 0 END)"
+        " // 86400000000)")
 _EPOCH_DAY = date(1970, 1, 1)
 
 

@@ -18,6 +18,7 @@ change feed's look alone."""
 
 from __future__ import annotations
 
+import json
 import os
 from datetime import date
 from pathlib import Path
@@ -64,14 +65,16 @@ def publish_usage_reports(data_dir: str | None = None) -> dict[str, Any]:
         rows = {item["values"]: item["counts"] for item in periods}
         files = _write_parquet(conn, reports, run_id, report)
         totals = {period: _publish_artifact(conn, period, run_id) for period in ("day", "month")}
+        # The charts of the months published, and of those published since the last
+        # publication whose charts were drawn (one that failed after its lake commit).
+        charts_root = DataFolder(folder).report_charts
+        months = None if days is None else _months_to_chart(conn, charts_root, days)
         month_days = report.filter(pc.equal(report.column("period"), "day")) if days is None \
-            else _month_days(conn, sorted({d.replace(day=1) for d in days}))
+            else _month_days(conn, months)
     finally:
         close_lake(conn)
-    # The charts of the months published: their day rows as the report now stands.
-    months = None if days is None else sorted({d.replace(day=1) for d in days})
-    charts = publish_charts(DataFolder(folder).report_charts, month_usages(month_days),
-                            months=months)
+    charts = publish_charts(charts_root, month_usages(month_days), months=months)
+    _write_marker(charts_root / _CHARTED, run_id)
     _publish_charts_artifact(charts, run_id)
     counts = {period: rows.get(period, 0) for period in ("day", "month")}
     covered = "every day" if days is None else ", ".join(f"{d:%Y-%m-%d}" for d in days) or "no day"
@@ -87,15 +90,47 @@ def publish_usage_reports(data_dir: str | None = None) -> dict[str, Any]:
                        "removed": charts.removed}}
 
 
-def _month_days(conn: duckdb.DuckDBPyConnection, months: list[date]) -> pa.Table:
-    """The day rows of `months` as the report now stands (for their charts)."""
-    if not months:
+def _month_days(conn: duckdb.DuckDBPyConnection, months: list[date] | None) -> pa.Table:
+    """The day rows of `months` (None: every month) as the report now stands, for their
+    charts."""
+    if months is not None and not months:
         return conn.execute(f"SELECT {REPORT_COLUMNS} FROM lake.usage_reports WHERE false").to_arrow_table()
-    listed = ", ".join(f"DATE '{m.isoformat()}'" for m in months)
+    listed = "TRUE" if months is None else (
+        "CAST(date_trunc('month', period_start) AS DATE) IN ("
+        + ", ".join(f"DATE '{m.isoformat()}'" for m in months) + ")")
     return conn.execute(
         f"SELECT {REPORT_COLUMNS} FROM lake.usage_reports_latest WHERE period = 'day'"
-        f" AND CAST(date_trunc('month', period_start) AS DATE) IN ({listed})"
-        f" ORDER BY {_ORDER}").to_arrow_table()
+        f" AND {listed} ORDER BY {_ORDER}").to_arrow_table()
+
+
+# In the charts' folder: the last publication whose charts were drawn.
+_CHARTED = ".charted.json"
+
+
+def _months_to_chart(conn: duckdb.DuckDBPyConnection, root: Path, days: list[date]) -> list[date] | None:
+    """The months whose charts to draw: those of `days`, and of every publication after the
+    last one whose charts were drawn; None (every month) when that one is not known or a
+    whole publication came since."""
+    try:
+        marker = json.loads((root / _CHARTED).read_text())["run_id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    found = conn.execute("SELECT published_at FROM lake.usage_report_runs WHERE run_id = ?",
+                         [str(marker)]).fetchone()
+    if found is None:
+        return None
+    since = conn.execute(
+        "SELECT s.day, s.whole FROM lake.usage_report_scopes AS s JOIN lake.usage_report_runs AS p"
+        " ON p.run_id = s.run_id WHERE p.published_at > ?", [found[0]]).fetchall()
+    if any(whole for _, whole in since):
+        return None
+    return sorted({d.replace(day=1) for d in days} | {d.replace(day=1) for d, _ in since if d is not None})
+
+
+def _write_marker(path: Path, run_id: str) -> None:
+    staging = path.with_name(f".{path.name}.{os.getpid()}")
+    staging.write_text(json.dumps({"run_id": run_id}))
+    os.replace(staging, path)
 
 
 def _publish_charts_artifact(charts: Published, run_id: str) -> None:
@@ -149,9 +184,15 @@ def _write_parquet(conn: duckdb.DuckDBPyConnection, folder: Path, run_id: str,
         pq.write_table(rows, target)
         latest = folder / f"usage_{period}.parquet"
         staging = folder / f".usage_{period}.{os.getpid()}.parquet"
-        conn.execute(f"COPY (SELECT {REPORT_COLUMNS} FROM lake.usage_reports_latest"
-                     f" WHERE period = '{period}' ORDER BY {_ORDER})"
-                     f" TO '{_sql_path(staging)}' (FORMAT parquet)")
+        # The flows' connections do not keep insertion order (`flows.workspace`): without it
+        # a parallel COPY may write the sorted rows out of order.
+        conn.execute("SET preserve_insertion_order = true")
+        try:
+            conn.execute(f"COPY (SELECT {REPORT_COLUMNS} FROM lake.usage_reports_latest"
+                         f" WHERE period = '{period}' ORDER BY {_ORDER})"
+                         f" TO '{_sql_path(staging)}' (FORMAT parquet)")
+        finally:
+            conn.execute("SET preserve_insertion_order = false")
         os.replace(staging, latest)
         written += [target, latest]
     return written

@@ -228,6 +228,13 @@ def test_past_the_export_backlog_bound_ingestion_is_refused_until_the_lake_catch
                 time.sleep(0.6)  # the writer's metrics file is written by its tick
                 assert _metric(svc, "tollgate_ingest_backlog_refusing") == 1
                 assert _metric(svc, "tollgate_export_backlog_events") >= 1000
+                # A service started again while the lake is still away refuses at once: the
+                # backlog is read from the file's watermark, not from an export round.
+                svc.stop()
+                svc.start()
+                time.sleep(0.6)
+                again = _post(client, svc, "/mgt/v1/events/batch", _batch(run, 50), billing_account_id=ACCOUNT)
+                assert again.status_code == 503 and again.json()["code"] == "STORAGE.BUSY", again.text
             # The compaction's turn is over: the export ships the backlog, ingestion resumes.
             deadline = time.monotonic() + 30
             while True:
@@ -238,7 +245,7 @@ def test_past_the_export_backlog_bound_ingestion_is_refused_until_the_lake_catch
                 assert r.status_code == 503 and r.headers["retry-after"] == "2", r.text
                 assert time.monotonic() < deadline, "ingestion was never taken again"
                 time.sleep(0.5)
-            assert _metric(svc, "tollgate_ingest_backlog_spells_total") == 1
+            assert _metric(svc, "tollgate_ingest_backlog_spells_total") == 1  # this process's
         deadline = time.monotonic() + 30
         while _lake_flood_events(tmp_path)[0] < accepted and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -5,6 +5,7 @@ hand and writes the chart. Events reach the lake by the real outbox and exporter
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from datetime import date, datetime, timezone
@@ -284,6 +285,18 @@ def test_a_publication_covers_the_days_that_changed_and_the_view_is_the_whole_re
                       for r in latest.to_pylist()) == sorted(
             (r[1], r[3], r[5], r[7]) for r in fresh if r[0] == "day")
 
+        # A publication whose charts failed after its lake commit (here: October's chart of
+        # acct_b gone, and the folder's marker still at the second publication): the next
+        # one, with nothing new, draws the months published since the marker again.
+        root = tmp_path / "reports" / "charts"
+        (root / "acme" / "acct_b" / "2026-10.png").unlink()
+        (root / ".charted.json").write_text(json.dumps({"run_id": second["run_id"]}))
+        caught_up = publish_usage_reports(data_dir=str(tmp_path))
+        assert caught_up["days"] == [] and caught_up["charts"]["drawn"] == 1
+        assert (root / "acme" / "acct_b" / "2026-10.png").exists()
+        assert sorted(charts_of(tmp_path)) == ["acme/acct_a/2026-10.png", "acme/acct_a/2026-11.png",
+                                               "acme/acct_b/2026-10.png", "acme/acct_b/2026-11.png"]
+
         # Snapshots expire (the exporter's TOLLGATE_LAKE_SNAPSHOT_HOURS): with the one after
         # the last publication gone, the next covers every month.
         feed.add(call("acct_a", "2026-11-05T12:00:00Z"))
@@ -299,3 +312,21 @@ def test_a_publication_covers_the_days_that_changed_and_the_view_is_the_whole_re
         assert view == fresh and len([r for r in view if r[0] == "day"]) == 7
     finally:
         feed.close()
+
+
+def test_an_instant_before_1970_is_on_its_own_utc_day() -> None:
+    """DuckDB's `//` truncates: the day number of 1969-12-31T12:00Z must be -1, not 0, or a
+    publication would look for that day's ratings on January 1st."""
+    import duckdb
+
+    from batch.usage_reports import _DAY, day_range_sql
+
+    conn = duckdb.connect()
+    conn.execute("SET TimeZone = 'UTC'")
+    conn.execute("CREATE TABLE r (occurred_at TIMESTAMPTZ)")
+    conn.execute("INSERT INTO r VALUES ('1969-12-31 00:00:00+00'), ('1969-12-31 12:00:00+00'),"
+                 " ('1969-12-31 23:59:59.999999+00'), ('1970-01-01 00:00:00+00')")
+    days = conn.execute(f"SELECT {_DAY.format(column='occurred_at')} FROM r ORDER BY 1").fetchall()
+    assert days == [(-1,), (-1,), (-1,), (0,)]
+    found = conn.execute(f"SELECT count(*) FROM r WHERE {day_range_sql([date(1969, 12, 31)])}").fetchone()
+    assert found == (3,)

@@ -242,6 +242,11 @@ def main(argv: list[str] | None = None) -> int:
         exported = exporter.exported_seq["events"]
         return None if exported is None else max(0, outbox.last_seq - exported)
 
+    # From the file's watermark now, not from the exporter's first round: a writer started
+    # while the lake is away (a compaction holding it, an attach failing) must still bound
+    # what waits for it.
+    mark = conn.execute("SELECT last_seq FROM export_watermarks WHERE stream = 'events'").fetchone()
+    exporter.exported_seq["events"] = int(mark[0]) if mark else 0
     status.backlog, status.backlog_bound = export_backlog, settings.export_backlog_rows
     retention = Retention(folder.operational, settings.operational_window_seconds,
                           index.durable_watermark, clock=clock, exporter_lock=exporter.op_lock,
