@@ -209,28 +209,26 @@ class Runtime:
         busy = self.writer.ingest_busy
         if busy:
             # The writer's word (a status frame): the lake export's backlog is at its bound.
-            self.ingest_refused += 1
-            if self.on_ingest_refused is not None:
-                self.on_ingest_refused()
-            raise ServiceUnavailable(
-                "STORAGE.BUSY",
-                f"event ingestion waits for the lake export ({busy}); nothing of this request"
-                f" was read or stored: retry after {BACKLOG_RETRY_AFTER_SECONDS} s",
-                headers={"Retry-After": str(BACKLOG_RETRY_AFTER_SECONDS)})
+            self._refuse_ingest(f"event ingestion waits for the lake export ({busy})",
+                                BACKLOG_RETRY_AFTER_SECONDS)
         bound = self.settings.ingest_queue_bytes
         if self.ingest_requests and self.ingest_bytes + size > bound:
-            self.ingest_refused += 1
-            if self.on_ingest_refused is not None:
-                self.on_ingest_refused()
-            raise ServiceUnavailable(
-                "STORAGE.BUSY",
-                f"event ingestion is at its bound ({bound} bytes of requests waiting for storage);"
-                f" nothing of this request was read or stored: retry after {BUSY_RETRY_AFTER_SECONDS} s",
-                headers={"Retry-After": str(BUSY_RETRY_AFTER_SECONDS)})
+            self._refuse_ingest(f"event ingestion is at its bound ({bound} bytes of requests"
+                                " waiting for storage)", BUSY_RETRY_AFTER_SECONDS)
         self.ingest_bytes += size
         self.ingest_requests += 1
         self.ingest_changed()
         return IngestAdmission(self, size)
+
+    def _refuse_ingest(self, why: str, retry_after: int) -> None:
+        """Count an event request refused before it was read, and raise its 503 STORAGE.BUSY."""
+        self.ingest_refused += 1
+        if self.on_ingest_refused is not None:
+            self.on_ingest_refused()
+        raise ServiceUnavailable(
+            "STORAGE.BUSY",
+            f"{why}; nothing of this request was read or stored: retry after {retry_after} s",
+            headers={"Retry-After": str(retry_after)})
 
     def ingest_changed(self) -> None:
         if self.on_ingest_bytes is not None:

@@ -39,13 +39,16 @@ from batch.rating_plan import sql_instant
 from batch.rating_runs import BATCH_KINDS, current_ratings_sql
 from warehouse.lake import transaction, with_lake_retry
 
-__all__ = ["REPORT_COLUMNS", "account_month_usage", "account_months", "account_realms",
-           "build_usage_report", "changed_days", "current_snapshot", "day_range_sql", "last_snapshot", "publish_report"]
+__all__ = ["REPORT_COLUMNS", "REPORT_ORDER", "account_month_usage", "account_months",
+           "account_realms", "build_usage_report", "changed_days", "current_snapshot",
+           "day_range_sql", "last_snapshot", "publish_report"]
 
 REPORT_COLUMNS = (
     "period, period_start, realm, billing_account_id, feature_code, meter_code, quantity_minor, "
     "amount_xusd, event_count, line_count, run_id, published_at"
 )
+# The order in which report rows are read and written.
+REPORT_ORDER = "period, period_start, realm, billing_account_id, feature_code, meter_code"
 
 
 def publish_report(conn: duckdb.DuckDBPyConnection, run_id: str,
@@ -106,7 +109,7 @@ def build_usage_report(conn: duckdb.DuckDBPyConnection, run_id: str,
         return conn.execute(
             f"SELECT period, period_start, realm, billing_account_id, feature_code, meter_code,"
             f" quantity_minor, amount_xusd, event_count, line_count, {stamp}"
-            f" FROM ({' UNION ALL '.join(period_rows)}) ORDER BY {_ORDER}").to_arrow_table()
+            f" FROM ({' UNION ALL '.join(period_rows)}) ORDER BY {REPORT_ORDER}").to_arrow_table()
     listed = sorted(set(days))
     new_days = conn.execute(
         f"SELECT period, period_start, realm, billing_account_id, feature_code, meter_code,"
@@ -126,12 +129,9 @@ def build_usage_report(conn: duckdb.DuckDBPyConnection, run_id: str,
             f" realm, billing_account_id, feature_code, meter_code,"
             f" CAST(sum(quantity_minor) AS BIGINT), CAST(sum(amount_xusd) AS BIGINT),"
             f" CAST(sum(event_count) AS BIGINT), CAST(sum(line_count) AS BIGINT), {stamp}"
-            f" FROM days GROUP BY 2, 3, 4, 5, 6 ORDER BY {_ORDER}").to_arrow_table()
+            f" FROM days GROUP BY 2, 3, 4, 5, 6 ORDER BY {REPORT_ORDER}").to_arrow_table()
     finally:
         conn.unregister("_report_new_days")
-
-
-_ORDER = "period, period_start, realm, billing_account_id, feature_code, meter_code"
 
 
 def _dates(days: Sequence[date]) -> str:

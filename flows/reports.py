@@ -32,7 +32,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from batch.usage_charts import Published, format_usd, month_usages, publish_charts
-from batch.usage_reports import REPORT_COLUMNS, publish_report
+from batch.usage_reports import REPORT_COLUMNS, REPORT_ORDER, publish_report
 from core.clock import SYSTEM_CLOCK
 from core.layout import DataFolder
 from flows.workspace import close_lake, open_lake, resolve_data_dir
@@ -47,7 +47,6 @@ _ARTIFACTS = {"day": ("usage-report-days", "Daily usage", 1000),
 _CHARTS_ARTIFACT = ("usage-charts", 500)
 _ARTIFACT_COLUMNS = ["period_start", "realm", "billing_account_id", "feature_code", "meter_code",
                      "quantity_minor", "amount_xusd", "event_count", "line_count"]
-_ORDER = "period, period_start, realm, billing_account_id, feature_code, meter_code"
 
 
 @flow(name="publish-usage-reports")
@@ -100,7 +99,7 @@ def _month_days(conn: duckdb.DuckDBPyConnection, months: list[date] | None) -> p
         + ", ".join(f"DATE '{m.isoformat()}'" for m in months) + ")")
     return conn.execute(
         f"SELECT {REPORT_COLUMNS} FROM lake.usage_reports_latest WHERE period = 'day'"
-        f" AND {listed} ORDER BY {_ORDER}").to_arrow_table()
+        f" AND {listed} ORDER BY {REPORT_ORDER}").to_arrow_table()
 
 
 # In the charts' folder: the last publication whose charts were drawn.
@@ -189,7 +188,7 @@ def _write_parquet(conn: duckdb.DuckDBPyConnection, folder: Path, run_id: str,
         conn.execute("SET preserve_insertion_order = true")
         try:
             conn.execute(f"COPY (SELECT {REPORT_COLUMNS} FROM lake.usage_reports_latest"
-                         f" WHERE period = '{period}' ORDER BY {_ORDER})"
+                         f" WHERE period = '{period}' ORDER BY {REPORT_ORDER})"
                          f" TO '{_sql_path(staging)}' (FORMAT parquet)")
         finally:
             conn.execute("SET preserve_insertion_order = false")

@@ -358,18 +358,21 @@ def attach_lake(conn: duckdb.DuckDBPyConnection, data_dir: Path, *, read_only: b
             with_lake_retry(functools.partial(conn.execute, create))
         _add_kind_prices(conn, alias)
         _add_usage_days(conn, alias)
-        if _view_comment(conn, alias, "ratings") != RATINGS_VIEW_VERSION:
-            def create_view() -> None:
-                with transaction(conn):
-                    conn.execute(f"CREATE OR REPLACE VIEW {alias}.ratings AS {RATINGS_VIEW}")
-                    conn.execute(f"COMMENT ON VIEW {alias}.ratings IS '{RATINGS_VIEW_VERSION}'")
-            with_lake_retry(create_view)
-        if _view_comment(conn, alias, "usage_reports_latest") != USAGE_LATEST_VIEW_VERSION:
-            def create_latest() -> None:
-                with transaction(conn):
-                    conn.execute(f"CREATE OR REPLACE VIEW {alias}.usage_reports_latest AS {USAGE_LATEST_VIEW}")
-                    conn.execute(f"COMMENT ON VIEW {alias}.usage_reports_latest IS '{USAGE_LATEST_VIEW_VERSION}'")
-            with_lake_retry(create_latest)
+        _ensure_view(conn, alias, "ratings", RATINGS_VIEW, RATINGS_VIEW_VERSION)
+        _ensure_view(conn, alias, "usage_reports_latest", USAGE_LATEST_VIEW, USAGE_LATEST_VIEW_VERSION)
+
+
+def _ensure_view(conn: duckdb.DuckDBPyConnection, alias: str, name: str, sql: str,
+                 version: str) -> None:
+    """(Re)create the lake's view `name` when its comment is not `version`."""
+    if _view_comment(conn, alias, name) == version:
+        return
+
+    def create() -> None:
+        with transaction(conn):
+            conn.execute(f"CREATE OR REPLACE VIEW {alias}.{name} AS {sql}")
+            conn.execute(f"COMMENT ON VIEW {alias}.{name} IS '{version}'")
+    with_lake_retry(create)
 
 
 def _roll_back_dead_write(catalog: Path) -> bool:
