@@ -35,13 +35,13 @@ from datetime import date, datetime, timedelta, timezone
 import duckdb
 import pyarrow as pa
 
-from batch.rating_plan import sql_instant
+from batch.rating_plan import sql_instant, sql_text
 from batch.rating_runs import BATCH_KINDS, current_ratings_sql
 from warehouse.lake import transaction, with_lake_retry
 
 __all__ = ["REPORT_COLUMNS", "REPORT_ORDER", "account_month_usage", "account_months",
            "account_realms", "build_usage_report", "changed_days", "current_snapshot",
-           "day_range_sql", "last_snapshot", "publish_report"]
+           "day_range_sql", "in_months_sql", "last_snapshot", "publish_report"]
 
 REPORT_COLUMNS = (
     "period, period_start, realm, billing_account_id, feature_code, meter_code, quantity_minor, "
@@ -121,7 +121,7 @@ def build_usage_report(conn: duckdb.DuckDBPyConnection, run_id: str,
         return conn.execute(
             f"WITH kept AS (SELECT period_start, realm, billing_account_id, feature_code, meter_code,"
             f" quantity_minor, amount_xusd, event_count, line_count FROM lake.usage_reports_latest"
-            f" WHERE period = 'day' AND {_in_months('period_start', months)}"
+            f" WHERE period = 'day' AND {in_months_sql('period_start', months)}"
             f" AND period_start NOT IN ({_dates(listed)})),"
             f" days AS (SELECT * EXCLUDE (period) FROM _report_new_days UNION ALL SELECT * FROM kept)"
             f" SELECT *, {stamp} FROM _report_new_days"
@@ -138,7 +138,7 @@ def _dates(days: Sequence[date]) -> str:
     return ", ".join(f"DATE '{d.isoformat()}'" for d in days)
 
 
-def _in_months(column: str, months: Sequence[date]) -> str:
+def in_months_sql(column: str, months: Sequence[date]) -> str:
     """`column` (a DATE) in one of the months starting at `months`: a range, then the list."""
     last = max(months)
     end = date(last.year + last.month // 12, last.month % 12 + 1, 1)
@@ -207,7 +207,7 @@ def changed_days(conn: duckdb.DuckDBPyConnection, since: int | None, until: int)
     except duckdb.InvalidInputException:
         return None  # the snapshot after `since` has expired: the changes are unknown
     if runs:
-        listed = ", ".join("'" + run.replace("'", "''") + "'" for run in runs)
+        listed = ", ".join(sql_text(run) for run in runs)
         for table in ("rating_rows", "rating_lines"):
             found.update(row[0] for row in conn.execute(
                 f"SELECT DISTINCT {day} FROM lake.{table} WHERE run_id IN ({listed})").fetchall())

@@ -31,8 +31,9 @@ import pyarrow.parquet as pq
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+from batch.rating_plan import sql_text
 from batch.usage_charts import Published, format_usd, month_usages, publish_charts
-from batch.usage_reports import REPORT_COLUMNS, REPORT_ORDER, publish_report
+from batch.usage_reports import REPORT_COLUMNS, REPORT_ORDER, in_months_sql, publish_report
 from core.clock import SYSTEM_CLOCK
 from core.layout import DataFolder
 from flows.workspace import close_lake, open_lake, resolve_data_dir
@@ -94,9 +95,7 @@ def _month_days(conn: duckdb.DuckDBPyConnection, months: list[date] | None) -> p
     charts."""
     if months is not None and not months:
         return conn.execute(f"SELECT {REPORT_COLUMNS} FROM lake.usage_reports WHERE false").to_arrow_table()
-    listed = "TRUE" if months is None else (
-        "CAST(date_trunc('month', period_start) AS DATE) IN ("
-        + ", ".join(f"DATE '{m.isoformat()}'" for m in months) + ")")
+    listed = "TRUE" if months is None else in_months_sql("period_start", months)
     return conn.execute(
         f"SELECT {REPORT_COLUMNS} FROM lake.usage_reports_latest WHERE period = 'day'"
         f" AND {listed} ORDER BY {REPORT_ORDER}").to_arrow_table()
@@ -189,13 +188,9 @@ def _write_parquet(conn: duckdb.DuckDBPyConnection, folder: Path, run_id: str,
         try:
             conn.execute(f"COPY (SELECT {REPORT_COLUMNS} FROM lake.usage_reports_latest"
                          f" WHERE period = '{period}' ORDER BY {REPORT_ORDER})"
-                         f" TO '{_sql_path(staging)}' (FORMAT parquet)")
+                         f" TO {sql_text(str(staging))} (FORMAT parquet)")
         finally:
             conn.execute("SET preserve_insertion_order = false")
         os.replace(staging, latest)
         written += [target, latest]
     return written
-
-
-def _sql_path(path: Path) -> str:
-    return str(path).replace("'", "''")

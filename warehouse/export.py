@@ -128,9 +128,10 @@ class LakeExporter:
         self.rounds = 0  # rounds that shipped rows, and their time
         self.round_seconds = 0.0
         self.caught_up_at = time.time()  # every row accepted before it is in the lake
-        # The last seq of each stream the lake holds (its watermark), once a round has read
-        # it: with the writer's last seq it gives the backlog ingestion is refused past
-        # (`writer.host`, TOLLGATE_EXPORT_BACKLOG_ROWS).
+        # The last seq of each stream the lake holds (its watermark; None until a round has
+        # read it, or the writer set it from the file at its start): with the writer's last
+        # seq it gives the backlog ingestion is refused past (`writer.host`,
+        # TOLLGATE_EXPORT_BACKLOG_ROWS).
         self.exported_seq: dict[str, int | None] = {s: None for s in STREAMS}
         self.events_exported_at = 0.0  # when the last round that shipped events committed
         # Held while this exporter uses the operational file; the file's checkpoint takes it

@@ -237,8 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                             snapshot_window=timedelta(seconds=settings.lake_snapshot_seconds))
 
     def export_backlog() -> int | None:
-        # Events the writer has numbered that the lake does not hold yet; unknown until the
-        # exporter's first round has read its watermark.
+        # Events the writer has numbered that the lake does not hold yet.
         exported = exporter.exported_seq["events"]
         return None if exported is None else max(0, outbox.last_seq - exported)
 
