@@ -95,6 +95,12 @@ FILTERS = "partitioned"
 # Each of the two memtables: the size of a flush into level 0 (smaller memtables, more
 # flushes and more compaction CPU: docs/measurements.md, "Compaction as the index grows").
 WRITE_BUFFER = 8 << 20
+# The size at which compaction cuts its output files. Keys lead with occurred_at, so every
+# compaction of level 0 meets only the newest file of the level below and rewrites it whole:
+# with RocksDB's 64 MiB (files grow to twice it) that file was rewritten with each 8 MiB of
+# new ids, a write amplification that grew from 1 to 15 as it filled (docs/measurements.md,
+# "The index's newest file").
+TARGET_FILE = 16 << 20
 
 
 def open_rocks(path: Path, cache_bytes: int) -> Rdict:
@@ -119,6 +125,7 @@ def open_rocks(path: Path, cache_bytes: int) -> Rdict:
     opts.set_block_based_table_factory(table)
     opts.set_compression_type(DBCompressionType.lz4())
     opts.set_write_buffer_size(WRITE_BUFFER)
+    opts.set_target_file_size_base(TARGET_FILE)
     opts.set_max_write_buffer_number(2)
     opts.set_max_open_files(256)
     opts.set_max_background_jobs(1)
