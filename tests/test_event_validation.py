@@ -146,3 +146,46 @@ def test_a_single_event_is_handed_to_the_inline_rater_only_once_its_group_is_dur
     conn.execute("COMMIT")
     assert [event.event_id for _, event in handler.accepted_singles] == [to_record(ok).event_id]
     conn.close()
+
+
+def _view_select(sql: str) -> str:
+    """The SELECT of a `CREATE [OR REPLACE] VIEW event_labels AS ...` statement."""
+    body = sql.split("CREATE OR REPLACE VIEW event_labels AS", 1)[-1] if "OR REPLACE" in sql \
+        else sql.split("CREATE VIEW event_labels AS", 1)[1]
+    return body.strip().rstrip(";")
+
+
+def test_the_label_view_types_every_kind_of_value_as_its_first_form_did(tmp_path: Any) -> None:
+    """Migration 6 rewrote the view to parse each event's labels once; the rows it gives, for
+    every JSON kind a label can hold (and the odd ones validation may let through), are the
+    rows migration 5's form gave."""
+    import duckdb
+
+    from warehouse.operational import MIGRATIONS, open_operational
+
+    first = _view_select(dict(MIGRATIONS)[5])
+    conn = open_operational(tmp_path / "op.duckdb")
+    current = _view_select(conn.execute(
+        "SELECT sql FROM duckdb_views() WHERE view_name = 'event_labels'").fetchone()[0])
+    assert "json_each" in current
+    labels = [
+        {"n": 1, "neg": -3, "big": 18446744073709551615, "huge": 184467440737095516150,
+         "f": 1.5, "e": 1e300, "t": True, "no": False, "s": "eu-west", "empty": "",
+         "u": "0000001c-d82d-8c40-bac4-bbb2fd9db42d", "U": "0000001C-D82D-8C40-BAC4-BBB2FD9DB42D",
+         "almost": "0000001c-d82d-8c40-bac4-bbb2fd9db42", "q": 'say "hi"', "null": None,
+         "list": [1, 2], "obj": {"x": 1}, "é": "ü"},
+        {},
+        {"only": "one"},
+    ]
+    mem = duckdb.connect()
+    mem.execute("CREATE TABLE events (event_id UUID, realm VARCHAR, billing_account_id VARCHAR, labels JSON)")
+    for i, doc in enumerate(labels):
+        mem.execute("INSERT INTO events VALUES (?, 'acme', 'acct', ?)",
+                    [f"00000000-0000-0000-0000-{i:012d}", json.dumps(doc)])
+    old = mem.execute(f"SELECT * FROM ({first}) ORDER BY ALL").fetchall()
+    new = mem.execute(f"SELECT * FROM ({current}) ORDER BY ALL").fetchall()
+    assert len(old) == sum(len(doc) for doc in labels)
+    assert new == old
+    slots = {row[3]: row[4] for row in new}
+    assert (slots["u"], slots["U"], slots["s"], slots["t"], slots["n"], slots["obj"]) == \
+        ("uuid", "text", "text", "bool", "number", "number")

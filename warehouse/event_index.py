@@ -99,7 +99,7 @@ WRITE_BUFFER = 8 << 20
 # compaction of level 0 meets only the newest file of the level below and rewrites it whole:
 # with RocksDB's 64 MiB (files grow to twice it) that file was rewritten with each 8 MiB of
 # new ids, a write amplification that grew from 1 to 15 as it filled (docs/measurements.md,
-# "The index's newest file").
+# "Where the writer's cost an event grows").
 TARGET_FILE = 16 << 20
 
 
