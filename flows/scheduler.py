@@ -13,7 +13,8 @@ SIGTERM ends it through `sys.exit`, and the local API, which the kernel signals 
 parent ends, stops with it.
 During a flow run Prefect turns SIGTERM into an exception inside the flow (DuckDB reports it as
 an interrupted query): such a failure ends the schedules too, instead of being taken for a
-failed run. A flow that fails is logged and tried again at its next time.
+failed run, and Prefect's own lines about that run are logged at INFO (`StopsAreNotErrors`).
+A flow that fails is logged at ERROR and tried again at its next time.
 
 TOLLGATE_SCHEDULE_SECONDS changes intervals, e.g. `rate-events=30,compact-lake=43200`.
 """
@@ -41,7 +42,7 @@ from core.settings import Settings
 from flows import flow_named
 from flows.prefect_api import flow_api
 
-__all__ = ["main", "run_schedule"]
+__all__ = ["StopsAreNotErrors", "main", "run_schedule"]
 
 log = logging.getLogger("tollgate.scheduler")
 
@@ -121,6 +122,33 @@ def _stopped(exc: BaseException) -> bool:
         seen.add(id(current))
         current = current.__cause__ or current.__context__
     return False
+
+
+# Prefect's messages for a run that a signal ended ("Crash detected! Execution was aborted by a
+# termination signal.", "... by an interrupt signal."), which carry no exception of their own.
+_SIGNAL_MESSAGES = ("aborted by a termination signal", "aborted by an interrupt signal")
+
+
+class StopsAreNotErrors(logging.Filter):
+    """Lower to INFO what Prefect logs at WARNING or above about a flow run that this process's
+    stop ended (its "Encountered exception during execution" with the TerminationSignal or the
+    interrupted query, its "Crash detected!"): the run did not fail, the service stopped, and
+    the line that says so is `run_schedule`'s. A real failure keeps its level."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING or not record.name.startswith("prefect"):
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        if (_STOP.is_set() or (exc is not None and _stopped(exc))
+                or any(text in record.getMessage() for text in _SIGNAL_MESSAGES)):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def keep_stops_out_of_errors() -> None:
+    """Put `StopsAreNotErrors` on the root logger's handlers (after `setup_logging`)."""
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(StopsAreNotErrors())
 
 
 # The flows that start with a rating sweep: their start is the sweep lag's reference.
@@ -248,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     # After Prefect's import, which installs its console handler on the root logger: this
     # replaces it, and the flow runs' records reach the JSON lines too (core.logs).
     setup_logging("scheduler", settings.log_format or None)
+    keep_stops_out_of_errors()
     metrics = None
     if settings.metrics_on:
         metrics = SchedulerMetrics(settings.folder.metrics / "scheduler.prom")

@@ -143,6 +143,58 @@ def test_stopping_serve_mid_sweep_is_prompt_and_leaves_no_half_run(
     assert took < 8, f"serve took {took:.1f} s to stop"
     assert not processes_of(svc.data_dir, "flows.scheduler")
     assert sweep_rows(svc.data_dir) == (0, 0)
+    # The run the stop ended is not logged as a failure (Prefect's own lines included).
+    assert not [line for line in log_of(svc).splitlines() if '"level":"ERROR"' in line], log_of(svc)
+
+
+def test_a_run_ended_by_the_stop_is_logged_as_info_and_a_real_failure_as_error() -> None:
+    """Prefect logs the exception that ended a flow run at ERROR, even when it is the
+    TerminationSignal of the service's stop wrapped in DuckDB's "Query interrupted"."""
+    import io
+    import logging
+
+    from prefect.exceptions import TerminationSignal
+
+    from core.logs import JsonFormatter
+    from flows.scheduler import StopsAreNotErrors
+
+    def logged(message: str, exc: BaseException | None) -> str:
+        stream = io.StringIO()
+        handler = logging.StreamHandler(stream)
+        handler.setFormatter(JsonFormatter("scheduler"))
+        handler.addFilter(StopsAreNotErrors())
+        record = logging.LogRecord("prefect.flow_runs", logging.ERROR, __file__, 1, message, None,
+                                   (type(exc), exc, exc.__traceback__) if exc else None)
+        handler.handle(record)
+        return stream.getvalue()
+
+    def raised(make: Callable[[], BaseException]) -> BaseException:
+        try:
+            raise make()
+        except BaseException as exc:  # noqa: BLE001 - the test keeps what was raised
+            return exc
+
+    def interrupted() -> BaseException:
+        """DuckDB's error for the query the signal ended, caused by Prefect's signal."""
+        try:
+            try:
+                raise TerminationSignal(signal=signal.SIGTERM)
+            except TerminationSignal as signalled:
+                raise RuntimeError("Query interrupted") from signalled
+        except RuntimeError as exc:
+            return exc
+
+    stopped = logged("Encountered exception during execution: RuntimeError('Query interrupted')",
+                     interrupted())
+    assert '"level":"INFO"' in stopped and "Query interrupted" in stopped, stopped
+    crashed = logged("Crash detected! Execution was aborted by a termination signal.", None)
+    assert '"level":"INFO"' in crashed, crashed
+    failed = logged("Encountered exception during execution: RuntimeError('disk full')",
+                    raised(lambda: RuntimeError("disk full")))
+    assert '"level":"ERROR"' in failed and "disk full" in failed, failed
+    other = logging.LogRecord("tollgate.scheduler", logging.ERROR, __file__, 1,
+                              "aborted by a termination signal", None, None)
+    assert StopsAreNotErrors().filter(other) and other.levelno == logging.ERROR
 
 
 def test_a_scheduler_that_dies_is_started_again(tmp_path: Path,
