@@ -220,6 +220,15 @@ class Runtime:
         self.ingest_changed()
         return IngestAdmission(self, size)
 
+    async def pace_ingest(self) -> None:
+        """Wait the writer's pace before an admitted event request is read: while the lake
+        export falls behind, the writer slows event ingestion instead of refusing it
+        (`warehouse.writer.LoopStatus.pace_ms`; 0 almost always). The wait holds the
+        request's place in the ingest queue and nothing else: gate calls go on."""
+        pace = self.writer.ingest_pace
+        if pace > 0:
+            await asyncio.sleep(pace)
+
     def _refuse_ingest(self, why: str, retry_after: int) -> None:
         """Count an event request refused before it was read, and raise its 503 STORAGE.BUSY."""
         self.ingest_refused += 1

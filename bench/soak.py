@@ -244,6 +244,7 @@ def lake_state(data_dir: Path, last: dict[str, float]) -> str:
               'tollgate_export_rows_behind{stream="events"}': "events behind {:,.0f}",
               "tollgate_export_backlog_events": "backlog {:,.0f}",
               "tollgate_ingest_backlog_spells_total": "refusal spells {:,.0f}",
+              "tollgate_ingest_pace_seconds": "pace {:,.3f} s",
               "tollgate_lake_snapshots": "lake snapshots {:,.0f}"}
     out = []
     now: dict[str, float] = {}

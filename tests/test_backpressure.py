@@ -200,8 +200,11 @@ def test_past_the_export_backlog_bound_ingestion_is_refused_until_the_lake_catch
             assert _metric(svc, "tollgate_export_backlog_limit_events") == 1000
             with compaction_turn(tmp_path):
                 refused: httpx.Response | None = None
+                took: dict[int, float] = {}
                 for n in range(1, 6):  # 400 events a batch: the bound is reached by the third
+                    began = time.monotonic()
                     r = _post(client, svc, "/mgt/v1/events/batch", _batch(run, n), billing_account_id=ACCOUNT)
+                    took[n] = time.monotonic() - began
                     if r.status_code == 503:
                         refused = r
                         break
@@ -212,6 +215,9 @@ def test_past_the_export_backlog_bound_ingestion_is_refused_until_the_lake_catch
                 assert 1000 <= accepted - BATCH < 2000  # refused from the bound on, not before
                 assert refused.json()["code"] == "STORAGE.BUSY", refused.text
                 assert refused.headers["retry-after"] == "2"
+                # Before the bound, ingestion was paced: from 100 rows behind (a tenth of the
+                # bound) each post waits, 330 ms at 400 behind and 770 ms at 800.
+                assert took[2] >= 0.33 and took[3] >= 0.77, took
                 # Every worker refuses (requests land on either), single events too.
                 for i in range(6):
                     single = json.dumps({"semantic_kind": "activity", "event_type": "flood.check",
@@ -228,6 +234,7 @@ def test_past_the_export_backlog_bound_ingestion_is_refused_until_the_lake_catch
                 time.sleep(0.6)  # the writer's metrics file is written by its tick
                 assert _metric(svc, "tollgate_ingest_backlog_refusing") == 1
                 assert _metric(svc, "tollgate_export_backlog_events") >= 1000
+                assert _metric(svc, "tollgate_ingest_pace_seconds") == 1.0
                 # A service started again while the lake is still away refuses at once: the
                 # backlog is read from the file's watermark, not from an export round.
                 svc.stop()
@@ -250,5 +257,22 @@ def test_past_the_export_backlog_bound_ingestion_is_refused_until_the_lake_catch
         while _lake_flood_events(tmp_path)[0] < accepted and time.monotonic() < deadline:
             time.sleep(0.2)
         assert _lake_flood_events(tmp_path) == (accepted, accepted)
+        time.sleep(0.6)  # the writer's tick
+        assert _metric(svc, "tollgate_ingest_pace_seconds") == 0  # caught up: no pace
+        with httpx.Client(timeout=30) as client:
+            began = time.monotonic()
+            r = _post(client, svc, "/mgt/v1/events/batch", _batch(run, 100), billing_account_id=ACCOUNT)
+            assert r.status_code == 207 and time.monotonic() - began < 0.3, r.text
     finally:
         svc.stop()
+
+
+def test_ingestion_is_paced_in_proportion_to_the_export_backlog() -> None:
+    """No pace up to a tenth of the bound, then a wait that grows with the backlog to 1 s at
+    the bound, in 10 ms steps; none without a bound or before the backlog is known."""
+    from warehouse.writer import LoopStatus
+
+    status = LoopStatus(backlog_bound=4_000_000)
+    assert [status.pace_ms(b) for b in (None, 0, 400_000, 400_001, 436_000, 2_200_000,
+                                        4_000_000, 9_000_000)] == [0, 0, 0, 0, 10, 500, 1000, 1000]
+    assert LoopStatus(backlog_bound=0).pace_ms(10**9) == 0

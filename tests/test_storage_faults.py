@@ -174,7 +174,8 @@ def test_a_group_the_journal_refuses_gets_503_and_the_writer_goes_on_when_its_st
 
     fault.unlink()  # space again: a tick applies the journal and rebuilds
     [state] = _read_frames(ours, 1)
-    assert state == [0, True, {"refusing": False, "reason": "", "ingest_busy": ""}]
+    assert state == [0, True, {"refusing": False, "reason": "", "ingest_busy": "",
+                              "ingest_pace_ms": 0}]
     ours.sendall(_frame((4, Put(4))) + _frame((5, Peek(5))))
     assert sorted(_read_frames(ours, 2)) == [[4, True, 4], [5, True, -5]]
     assert thread.is_alive() and ended == [] and status.refused_ops == 1

@@ -31,9 +31,11 @@ many rows beyond it as it may), every op but the read-only ones is answered 503
 not be rebuilt after a failed group (the file cannot take the journal's rows), every op is,
 until a tick manages it. Neither ends the writer. The writer tells the service when either
 starts or ends with a status frame, `[0, true, {"refusing": bool, "reason": str,
-"ingest_busy": str}]` (request ids start at 1), which `/healthz` reports. `ingest_busy` is
-the other refusal, of event ingestion alone, while the lake export's backlog is at its bound
-(`LoopStatus`): the HTTP processes answer event posts 503 `STORAGE.BUSY` before reading them.
+"ingest_busy": str, "ingest_pace_ms": int}]` (request ids start at 1), which `/healthz`
+reports. `ingest_busy` is the other refusal, of event ingestion alone, while the lake export's
+backlog is at its bound (`LoopStatus`): the HTTP processes answer event posts 503
+`STORAGE.BUSY` before reading them. Before that, `ingest_pace_ms` slows event ingestion as the
+backlog grows: each event post waits that long before it is read (`LoopStatus.pace_ms`).
 
 With several HTTP workers (`tollgate serve --workers N`), each worker has a connection of its
 own, accepted on a listening Unix socket the service passes to the writer; ops of every
@@ -198,36 +200,65 @@ class LoopStatus:
     stay in the file until the lake has them, whatever the window."""
 
     __slots__ = ("stale", "refused_ops", "sent", "backlog", "backlog_bound", "busy",
-                 "busy_since", "busy_spells")
+                 "busy_since", "busy_spells", "pace")
 
     # Ingestion is taken again once the backlog is down to this share of its bound: a gap
     # wide enough that the refusals come in spells of seconds, not request by request.
     BACKLOG_RESUME = 0.9
+    # Pacing (`pace_ms`): from this share of the bound, every event post waits before it is
+    # read, up to PACE_MAX_MS at the bound, in steps of PACE_STEP_MS (a status frame a step).
+    PACE_FROM = 0.1
+    PACE_MAX_MS = 1000
+    PACE_STEP_MS = 10
 
     def __init__(self, backlog: Callable[[], int | None] | None = None, backlog_bound: int = 0) -> None:
         # Why the in-memory state awaits a rebuild from the file (every op refused); "" if not.
         self.stale = ""
         self.refused_ops = 0  # ops answered 503 before they were decided
-        self.sent: tuple[bool, str, str] = (False, "", "")  # the last status frame sent
+        # The last status frame sent: refusing, why, why ingestion is refused, its pace.
+        self.sent: tuple[bool, str, str, int] = (False, "", "", 0)
         self.backlog = backlog
         self.backlog_bound = backlog_bound
         self.busy = False  # ingestion refused for the export's backlog
         self.busy_since = 0.0  # time.monotonic() when the current spell began
         self.busy_spells = 0
+        self.pace = 0  # the pace last computed, in ms
 
-    def current(self, store: JournaledStore) -> tuple[bool, str, str]:
-        busy = self._ingest_busy()
+    def current(self, store: JournaledStore) -> tuple[bool, str, str, int]:
+        behind = self.backlog() if self.backlog is not None and self.backlog_bound > 0 else None
+        busy = self._ingest_busy(behind)
+        self.pace = pace = self.pace_ms(behind)
         if self.stale:
-            return True, "storage: the writer waits for the operational file to take the journal's rows", busy
+            return True, ("storage: the writer waits for the operational file to take the"
+                          " journal's rows"), busy, pace
         if store.refusing:
             return True, (f"storage: the operational file refuses writes; {store.unapplied_rows}"
-                          " acknowledged rows wait for it"), busy
-        return False, "", busy
+                          " acknowledged rows wait for it"), busy, pace
+        return False, "", busy, pace
 
-    def _ingest_busy(self) -> str:
+    def pace_ms(self, behind: int | None) -> int:
+        """How long each event post waits before it is read, for `behind` rows the lake lacks.
+
+        The lake export runs below the requests' path (`core.priority`). On a machine whose
+        cores are all taken by ingestion it gets too small a share, and the backlog grew
+        until the bound refused ingestion in spells: a rate that fell by a sixth over ten
+        minutes, in bursts. Pacing instead slows every event post a little from PACE_FROM
+        of the bound on, in proportion to the backlog past it: the cores the posts leave go
+        to the export, and the backlog settles where ingestion matches the export's rate
+        (docs/measurements.md, "Pacing ingestion to the export"). The waits take no core and
+        never hold a gate call (the HTTP process's event loop goes on)."""
+        bound = self.backlog_bound
+        if behind is None or bound <= 0:
+            return 0
+        start = bound * self.PACE_FROM
+        if behind <= start:
+            return 0
+        share = min(1.0, (behind - start) / (bound - start))
+        return int(share * self.PACE_MAX_MS) // self.PACE_STEP_MS * self.PACE_STEP_MS
+
+    def _ingest_busy(self, behind: int | None) -> str:
         """Why event ingestion is refused ("" when it is not), with the hysteresis above."""
         bound = self.backlog_bound
-        behind = self.backlog() if self.backlog is not None and bound > 0 else None
         if behind is not None:
             if not self.busy and behind >= bound:
                 self.busy, self.busy_since = True, time.monotonic()
@@ -256,7 +287,8 @@ def _status_frame(status: LoopStatus, store: JournaledStore) -> bytes:
             log.error("refusing writes: %s", now[1])
         else:
             log.warning("taking writes again")
-    return _frame(_encode((0, True, {"refusing": now[0], "reason": now[1], "ingest_busy": now[2]})))
+    return _frame(_encode((0, True, {"refusing": now[0], "reason": now[1], "ingest_busy": now[2],
+                                     "ingest_pace_ms": now[3]})))
 
 
 def run_writer(
@@ -476,10 +508,11 @@ def run_writer(
 def _status_now(status: LoopStatus) -> bytes:
     """The last status frame sent, for a connection that missed it; nothing when writes are
     taken (what a connection assumes)."""
-    refusing, reason, busy = status.sent
-    if not refusing and not busy:
+    refusing, reason, busy, pace = status.sent
+    if not refusing and not busy and not pace:
         return b""
-    return _frame(_encode((0, True, {"refusing": refusing, "reason": reason, "ingest_busy": busy})))
+    return _frame(_encode((0, True, {"refusing": refusing, "reason": reason, "ingest_busy": busy,
+                                     "ingest_pace_ms": pace})))
 
 
 def _accept(listener: socket.socket, peers: dict[int, tuple[socket.socket, bytearray]],
@@ -666,6 +699,8 @@ class WriterClient(asyncio.Protocol):
         self.refusing = ""
         # Why it refuses event ingestion alone (the lake export's backlog); "" while it takes it.
         self.ingest_busy = ""
+        # How long an event post waits before it is read, in seconds (`LoopStatus.pace_ms`).
+        self.ingest_pace = 0.0
         self.closed = False
         # Completes when the writer's end has closed (or this end was closed).
         self.lost: asyncio.Future[None] | None = None
@@ -752,6 +787,7 @@ class WriterClient(asyncio.Protocol):
                 self.refusing = str(state.get("reason") or "storage refuses writes") \
                     if state.get("refusing") else ""
                 self.ingest_busy = str(state.get("ingest_busy") or "")
+                self.ingest_pace = max(0, int(state.get("ingest_pace_ms") or 0)) / 1000
                 continue
             entry = waiting.pop(rid, None)
             if entry is None:  # its op passed the deadline and was answered already

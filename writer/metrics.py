@@ -78,6 +78,9 @@ class _StateCollector(Collector):
             yield GaugeMetricFamily("tollgate_ingest_backlog_refusing",
                                     "1 while event ingestion is refused for the export's backlog",
                                     value=1 if status.busy else 0)
+            yield GaugeMetricFamily("tollgate_ingest_pace_seconds",
+                                    "How long each event post waits before it is read, for the"
+                                    " export's backlog (0: none)", value=status.pace / 1000)
             yield CounterMetricFamily("tollgate_ingest_backlog_spells",
                                       "Spells of event ingestion refused for the export's backlog",
                                       value=status.busy_spells)

@@ -62,10 +62,12 @@ class EventsController(Controller):
 
 # The handlers, callable with a Litestar request or an `api.direct.DirectRequest`. Each is
 # admitted to the ingest queue first (`Runtime.ingest_admission`): past its bound it is
-# answered 503 STORAGE.BUSY before its body is read.
+# answered 503 STORAGE.BUSY before its body is read. While the lake export is behind, it then
+# waits the writer's pace (`Runtime.pace_ingest`).
 async def record_event(request: Any) -> Reply:
     runtime: Runtime = request.app.state.runtime
     with runtime.ingest_admission(_declared_length(request)) as admitted:
+        await runtime.pace_ingest()
         body, realm, account = await _event_call(runtime, request)
         admitted.read(len(body))
         try:
@@ -84,6 +86,7 @@ async def record_event(request: Any) -> Reply:
 async def record_event_batch(request: Any) -> Reply:
     runtime: Runtime = request.app.state.runtime
     with runtime.ingest_admission(_declared_length(request)) as admitted:
+        await runtime.pace_ingest()
         body, realm, account = await _event_call(runtime, request)
         admitted.read(len(body))
         prepared = await runtime.decoders.prepare(body, realm.id, account, runtime.clock.now(),
