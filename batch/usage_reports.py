@@ -38,6 +38,7 @@ import pyarrow as pa
 from batch.rating_plan import sql_instant, sql_text
 from batch.rating_runs import BATCH_KINDS, current_ratings_sql
 from warehouse.lake import transaction, with_lake_retry
+from warehouse.usage_days import utc_day_sql
 
 __all__ = ["REPORT_COLUMNS", "REPORT_ORDER", "account_month_usage", "account_months",
            "account_realms", "build_usage_report", "changed_days", "current_snapshot",
@@ -155,14 +156,9 @@ def day_range_sql(days: Sequence[date], column: str = "r.occurred_at") -> str:
     last = max(days)
     end = datetime(last.year, last.month, last.day, tzinfo=timezone.utc) + timedelta(days=1)
     return (f"{column} >= {sql_instant(start)} AND {column} < {sql_instant(end)}"
-            f" AND {_DAY.format(column=column)} IN ({', '.join(str(_epoch_day(d)) for d in sorted(set(days)))})")
+            f" AND {utc_day_sql(column)} IN ({', '.join(str(_epoch_day(d)) for d in sorted(set(days)))})")
 
 
-# A UTC day as days since 1970-01-01, in integers (a cast through the time zone library
-# costs ten times the scan), floored: DuckDB's `//` truncates, which would put an instant
-# before 1970 on the day after its own.
-_DAY = ("((epoch_us({column}) - CASE WHEN epoch_us({column}) < 0 THEN 86399999999 ELSE 0 END)"
-        " // 86400000000)")
 _EPOCH_DAY = date(1970, 1, 1)
 
 
@@ -194,7 +190,7 @@ def changed_days(conn: duckdb.DuckDBPyConnection, since: int | None, until: int)
         return None
     if since >= until:
         return []
-    day = _DAY.format(column="occurred_at")
+    day = utc_day_sql("occurred_at")
     try:
         found: set[int] = set()
         for table in ("rating_rows", "rating_lines"):

@@ -319,14 +319,15 @@ def test_an_instant_before_1970_is_on_its_own_utc_day() -> None:
     publication would look for that day's ratings on January 1st."""
     import duckdb
 
-    from batch.usage_reports import _DAY, day_range_sql
+    from batch.usage_reports import day_range_sql
+    from warehouse.usage_days import utc_day_sql
 
     conn = duckdb.connect()
     conn.execute("SET TimeZone = 'UTC'")
     conn.execute("CREATE TABLE r (occurred_at TIMESTAMPTZ)")
     conn.execute("INSERT INTO r VALUES ('1969-12-31 00:00:00+00'), ('1969-12-31 12:00:00+00'),"
                  " ('1969-12-31 23:59:59.999999+00'), ('1970-01-01 00:00:00+00')")
-    days = conn.execute(f"SELECT {_DAY.format(column='occurred_at')} FROM r ORDER BY 1").fetchall()
+    days = conn.execute(f"SELECT {utc_day_sql('occurred_at')} FROM r ORDER BY 1").fetchall()
     assert days == [(-1,), (-1,), (-1,), (0,)]
     found = conn.execute(f"SELECT count(*) FROM r WHERE {day_range_sql([date(1969, 12, 31)])}").fetchone()
     assert found == (3,)

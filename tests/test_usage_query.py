@@ -183,6 +183,29 @@ def test_an_empty_range_has_no_rows(lake: Any) -> None:
     assert query_usage(lake, slice_of(start, end)) == []
 
 
+def test_a_line_before_1970_is_summed_on_its_own_utc_day(tmp_path: Path) -> None:
+    """The rollup's and the query's day numbers are floored: DuckDB's `//` truncates toward
+    zero, which put 1969-12-31T23:00Z on 1970-01-01 in lake.usage_days and in the buckets."""
+    feed = LakeFeed(tmp_path)
+    conn = connect_lake(tmp_path)
+    try:
+        _gate_line(conn, "acct_old", datetime(1969, 12, 31, 23, tzinfo=UTC), 70, 11)
+        _gate_line(conn, "acct_old", datetime(1970, 1, 1, 0, 30, tzinfo=UTC), 1, 1)
+        days = conn.execute("SELECT day, sum(quantity_minor) FROM lake.usage_days"
+                            " WHERE billing_account_id = 'acct_old' GROUP BY day ORDER BY day").fetchall()
+        assert [(str(d), int(q)) for d, q in days] == [("1969-12-31", 70), ("1970-01-01", 1)]
+        for start in (datetime(1969, 12, 30, tzinfo=UTC), datetime(1969, 12, 31, 22, tzinfo=UTC)):
+            for rollup in (True, False):
+                got = {(r["bucket_start"], r["quantity_minor"]) for r in query_usage(
+                    conn, slice_of(start, datetime(1970, 1, 2, tzinfo=UTC), group_by=("bucket_start",),
+                                   metrics=("quantity_minor",)), rollup=rollup)}
+                assert got == {(datetime(1969, 12, 31, tzinfo=UTC), 70),
+                               (datetime(1970, 1, 1, tzinfo=UTC), 1)}, (start, rollup)
+    finally:
+        conn.close()
+        feed.close()
+
+
 def test_a_lake_without_the_rollup_is_summed_from_its_lines(lake: Any) -> None:
     """A lake from before lake.usage_days, read before the service's first writable attach
     has added it: the same sums, from the lines."""

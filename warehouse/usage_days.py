@@ -18,16 +18,22 @@ on its next writable attach (`warehouse.lake`).
 
 from __future__ import annotations
 
-__all__ = ["COLUMNS", "rollup_lines_sql", "rollup_rows_sql"]
+__all__ = ["COLUMNS", "rollup_lines_sql", "rollup_rows_sql", "utc_day_sql"]
 
 COLUMNS = """
     run_id VARCHAR, realm VARCHAR, billing_account_id VARCHAR, day DATE, feature_code VARCHAR,
     meter_code VARCHAR, price_id VARCHAR, quantity_minor HUGEINT, amount_xusd HUGEINT,
     lines BIGINT, sources BIGINT"""
 
-# A UTC day from a TIMESTAMPTZ in integer arithmetic (a cast through the time zone library
-# costs ten times the scan), made a DATE after the sums.
-_DAY = "epoch_us({column}) // 86400000000"
+
+
+def utc_day_sql(column: str) -> str:
+    """SQL for the UTC day of the TIMESTAMPTZ `column`, as days since 1970-01-01, in integer
+    arithmetic (a cast through the time zone library costs ten times the scan), floored:
+    DuckDB's `//` truncates toward zero, which put an instant before 1970 on the day after
+    its own (1969-12-31T23:00Z on 1970-01-01). The rollups make it a DATE after the sums."""
+    return (f"((epoch_us({column}) - CASE WHEN epoch_us({column}) < 0 THEN 86399999999 ELSE 0 END)"
+            " // 86400000000)")
 
 
 def rollup_lines_sql(alias: str, runs_where: str) -> str:
@@ -38,7 +44,7 @@ def rollup_lines_sql(alias: str, runs_where: str) -> str:
         SELECT l.run_id, l.realm, l.billing_account_id, DATE '1970-01-01' + CAST(l.day AS INTEGER),
                k.feature_code, k.meter_code, k.price_id, sum(l.q), sum(l.a), sum(l.n),
                sum(CASE WHEN k.line_index = 0 THEN l.n ELSE 0 END)
-        FROM (SELECT run_id, realm, billing_account_id, {_DAY.format(column="occurred_at")} AS day, line_id,
+        FROM (SELECT run_id, realm, billing_account_id, {utc_day_sql("occurred_at")} AS day, line_id,
                      sum(quantity_minor)::HUGEINT AS q, sum(amount_xusd)::HUGEINT AS a, count(*) AS n
               FROM {alias}.rating_lines WHERE {runs_where} GROUP BY ALL) AS l
         JOIN (SELECT DISTINCT line_id, status, feature_code, meter_code, price_id, line_index
@@ -53,7 +59,7 @@ def rollup_rows_sql(alias: str, source: str) -> str:
     return f"""
         INSERT INTO {alias}.usage_days
         WITH described AS (
-            SELECT r.run_id, r.realm, r.billing_account_id, {_DAY.format(column="r.occurred_at")} AS day,
+            SELECT r.run_id, r.realm, r.billing_account_id, {utc_day_sql("r.occurred_at")} AS day,
                    r.price_id, r.quantity_minor, r.amount_xusd,
                    CASE WHEN r.line_id IS NULL THEN r.status ELSE k.status END AS status,
                    CASE WHEN r.line_id IS NULL THEN r.feature_code ELSE k.feature_code END AS feature_code,

@@ -34,6 +34,7 @@ from typing import Any
 import duckdb
 
 from warehouse.lake import connect_lake
+from warehouse.usage_days import utc_day_sql
 
 __all__ = ["DIMENSIONS", "METRICS", "LakeReader", "UsageSlice", "query_usage"]
 
@@ -55,9 +56,6 @@ METRICS: dict[str, str] = {
     "distinct_billing_account_count": "count(DISTINCT CASE WHEN lines <> 0 THEN billing_account_id END)",
 }
 
-# A UTC day in integers (days since 1970-01-01) from a TIMESTAMPTZ: a cast through the time
-# zone library costs ten times the scan.
-_DAY = "epoch_us({t}.occurred_at) // 86400000000"
 _KINDS = ("(SELECT DISTINCT line_id, status, feature_code, meter_code, price_id, line_index"
           " FROM lake.rating_line_kinds)")
 _BATCH_RUNS = ("SELECT run_id, started_at, params FROM lake.rating_runs"
@@ -241,15 +239,15 @@ def query_usage(conn: duckdb.DuckDBPyConnection, usage: UsageSlice, *,
         if low >= high:
             continue  # an aligned edge: nothing outside the whole days
         where, more = scope("l", "occurred_at", low, high)
-        parts.append(_SWEPT.format(day=_DAY.format(t="l"), scope=where))
+        parts.append(_SWEPT.format(day=utc_day_sql("l.occurred_at"), scope=where))
         params += more
         where, more = scope("r", "occurred_at", low, high)
-        parts.append(_STORED.format(day=_DAY.format(t="r"), sign=_SIGN, scope=where, which=_NOT_INLINE))
+        parts.append(_STORED.format(day=utc_day_sql("r.occurred_at"), sign=_SIGN, scope=where, which=_NOT_INLINE))
         params += more
     inline = _current_inline(conn, scope, start, end)
     if inline:
         where, more = scope("r", "occurred_at", start, end)
-        parts.append(_STORED.format(day=_DAY.format(t="r"), sign=_SIGN, scope=where, which=(
+        parts.append(_STORED.format(day=utc_day_sql("r.occurred_at"), sign=_SIGN, scope=where, which=(
             "r.source = 'event' AND r.run_id NOT IN (SELECT run_id FROM batch_runs)"
             " AND r.event_id IN (SELECT unnest(CAST(? AS UUID[])))")))
         params += [*more, inline]
