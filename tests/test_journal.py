@@ -230,3 +230,28 @@ def test_a_reply_the_wire_cannot_carry_answers_its_own_request_with_a_500() -> N
     frame = _reply_frame((2, True, {"amount": 2 ** 70}))
     rid, ok, failure = msgspec.msgpack.decode(frame[_LEN.size:])
     assert (rid, ok, failure["status"], failure["code"]) == (2, False, 500, "INTERNAL.ERROR")
+
+
+def test_the_tick_hands_rows_over_once_the_oldest_has_waited_or_many_wait(tmp_path: Path) -> None:
+    """A few young rows wait for more (one larger transaction costs DuckDB less an event);
+    the oldest's age or their number hands them over."""
+    import time
+
+    conn = open_operational(tmp_path / "op.duckdb")
+    store = JournaledStore(conn, tmp_path / "journal")
+    store.APPLY_AFTER_SECONDS = 0.5
+    store.commit({"lease_transitions": [_row(1)]})
+    store.materialize_due()
+    assert store.pending_rows == 1  # young: kept
+    time.sleep(0.6)
+    store.commit({"lease_transitions": [_row(2)]})  # a younger row does not reset the age
+    store.materialize_due()
+    assert store.pending_rows == 0  # handed over
+    store.materialize()  # waits for the applier thread
+    store.MAX_PENDING_ROWS = 2
+    store.commit({"lease_transitions": [_row(3), _row(4)]})
+    store.materialize_due()
+    assert store.pending_rows == 0  # many: handed over at once, however young
+    store.close()
+    assert _transitions(conn) == ["lease-1", "lease-2", "lease-3", "lease-4"]
+    conn.close()

@@ -100,6 +100,9 @@ class _Store:
     def materialize_soon(self) -> None:
         pass
 
+    def materialize_due(self) -> None:
+        pass
+
 
 class _Double:
     def apply(self, tx: Any, op: Ping) -> Any:

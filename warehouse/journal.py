@@ -9,8 +9,8 @@ authorize+commit pairs a second. An append to a file plus `fdatasync` costs 0.2 
 So a group is made durable by appending its rows (msgpack, with a CRC) to the journal
 (segment files under `journal/` in the data folder) and syncing it; only then are its
 replies sent. The rows are applied to the DuckDB file later, in one transaction for many
-groups, on a thread of their own (`materialize_soon`, on the writer's tick and when many
-rows wait), together with the number of the last group applied (`journal_state`); then the
+groups, on a thread of their own (`materialize_soon`: when many rows wait, and on the
+writer's tick once the oldest has waited `APPLY_AFTER_SECONDS`), together with the number of the last group applied (`journal_state`); then the
 segments that held them are deleted. A commit to the file with a checkpoint took 30-200 ms
 here, which in the writer's loop was the p99 of every request. At start, `recover` applies
 every complete group after that number, so a `kill -9` between the two steps loses nothing
@@ -19,7 +19,7 @@ with a valid one after it, or a jump in group numbers, may be an acknowledged gr
 store then refuses to open (`JournalCorrupt`, see `warehouse.journal_scan`) and changes nothing.
 
 Everything that reads the operational file in the writer process calls `materialize` first
-(or `reading`); the lake exporter reads only what is applied, a tick later.
+(or `reading`); the lake exporter reads only what is applied, a few seconds later.
 
 When the file refuses a write (a full disk: the journal's prefilled segments need no new
 blocks, so it keeps taking groups), the applier keeps the rows and tries again after a pause
@@ -294,6 +294,12 @@ class JournaledStore:
 
     # Rows waiting beyond this are handed over at once; beyond twice this, the writer waits.
     MAX_PENDING_ROWS = 50_000
+    # Fewer are handed over on the writer's tick once the oldest has waited this long
+    # (`materialize_due`). Handed over on every tick (0.5 s), a full batch load reached the
+    # file in transactions of ~20,000 rows, which cost DuckDB about twice the CPU an event of
+    # transactions of 50,000 (its per-commit work: the WAL's sync and checkpoint; measured
+    # in docs/measurements.md, "The applier's transactions").
+    APPLY_AFTER_SECONDS = 2.0
     SEGMENT_BYTES = 16 << 20
     # At a start, the journal's groups reach the file in transactions of about this many rows.
     RECOVERY_STEP_ROWS = 50_000
@@ -315,6 +321,7 @@ class JournaledStore:
         journal_dir.mkdir(parents=True, exist_ok=True)
         self._pending: dict[str, list[tuple[Any, ...]]] = {}
         self._pending_rows = 0
+        self._pending_since = 0.0  # time.monotonic() when the oldest waiting row came
         self._deferred: dict[str, list[tuple[Any, ...]]] = {}
         # For the writer's metrics: journal bytes appended by this process, those known to
         # be in the file (their difference is the backlog), and failed applies.
@@ -461,6 +468,8 @@ class JournaledStore:
         self._merge(tables)
 
     def _merge(self, tables: dict[str, list[tuple[Any, ...]]]) -> None:
+        if not self._pending_rows:
+            self._pending_since = time.monotonic()
         for table, rows in tables.items():
             self._pending.setdefault(table, []).extend(rows)
             self._pending_rows += len(rows)
@@ -598,6 +607,15 @@ class JournaledStore:
             self.applied_rows = max(self.applied_rows, self._done.journaled_rows)
             self._done = None
             self._note_success()
+
+    def materialize_due(self) -> None:
+        """The writer's tick: `materialize_soon`, unless fewer than MAX_PENDING_ROWS rows
+        wait and the oldest has waited less than APPLY_AFTER_SECONDS (nothing failed)."""
+        if (0 < self._pending_rows < self.MAX_PENDING_ROWS and self._failed is None
+                and time.monotonic() - self._pending_since < self.APPLY_AFTER_SECONDS):
+            self._settle()
+            return
+        self.materialize_soon()
 
     def materialize_soon(self) -> None:
         """Hand the waiting rows to the applier thread, unless it is still busy (then they

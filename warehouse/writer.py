@@ -490,7 +490,7 @@ def run_writer(
             if store.lost and store.retry_due() and store.has_room():
                 raise OperationalFileLost(store.lost)
             try:
-                store.materialize_soon()
+                store.materialize_due()
                 if status.stale and store.retry_due():
                     rollback(store)
                 if tick is not None:
