@@ -10,8 +10,8 @@ So a group is made durable by appending its rows (msgpack, with a CRC) to the jo
 (segment files under `journal/` in the data folder) and syncing it; only then are its
 replies sent. The rows are applied to the DuckDB file later, in one transaction for many
 groups, on a thread of their own (`materialize_soon`: when many rows wait, and on the
-writer's tick once the oldest has waited `APPLY_AFTER_SECONDS`), together with the number of the last group applied (`journal_state`); then the
-segments that held them are deleted. A commit to the file with a checkpoint took 30-200 ms
+writer's tick once the oldest has waited `APPLY_AFTER_SECONDS`), together with the number
+of the last group applied (`journal_state`); then the segments that held them are deleted. A commit to the file with a checkpoint took 30-200 ms
 here, which in the writer's loop was the p99 of every request. At start, `recover` applies
 every complete group after that number, so a `kill -9` between the two steps loses nothing
 and applies nothing twice; a torn last record (never acknowledged) is cut off. A bad record

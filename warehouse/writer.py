@@ -31,8 +31,8 @@ many rows beyond it as it may), every op but the read-only ones is answered 503
 not be rebuilt after a failed group (the file cannot take the journal's rows), every op is,
 until a tick manages it. Neither ends the writer. The writer tells the service when either
 starts or ends with a status frame, `[0, true, {"refusing": bool, "reason": str,
-"ingest_busy": str, "ingest_pace_ms": int}]` (request ids start at 1), which `/healthz`
-reports. `ingest_busy` is the other refusal, of event ingestion alone, while the lake export's
+"ingest_busy": str, "ingest_pace_ms": int}]` (request ids start at 1); `/healthz` reports
+the refusals. `ingest_busy` is the other refusal, of event ingestion alone, while the lake export's
 backlog is at its bound (`LoopStatus`): the HTTP processes answer event posts 503
 `STORAGE.BUSY` before reading them. Before that, `ingest_pace_ms` slows event ingestion as the
 backlog grows: each event post waits that long before it is read (`LoopStatus.pace_ms`).
