@@ -287,8 +287,14 @@ def _status_frame(status: LoopStatus, store: JournaledStore) -> bytes:
             log.error("refusing writes: %s", now[1])
         else:
             log.warning("taking writes again")
-    return _frame(_encode((0, True, {"refusing": now[0], "reason": now[1], "ingest_busy": now[2],
-                                     "ingest_pace_ms": now[3]})))
+    return _state_frame(now)
+
+
+def _state_frame(state: tuple[bool, str, str, int]) -> bytes:
+    """The status frame of `state` (`LoopStatus.current`)."""
+    refusing, reason, busy, pace = state
+    return _frame(_encode((0, True, {"refusing": refusing, "reason": reason, "ingest_busy": busy,
+                                     "ingest_pace_ms": pace})))
 
 
 def run_writer(
@@ -508,11 +514,10 @@ def run_writer(
 def _status_now(status: LoopStatus) -> bytes:
     """The last status frame sent, for a connection that missed it; nothing when writes are
     taken (what a connection assumes)."""
-    refusing, reason, busy, pace = status.sent
+    refusing, _, busy, pace = status.sent
     if not refusing and not busy and not pace:
         return b""
-    return _frame(_encode((0, True, {"refusing": refusing, "reason": reason, "ingest_busy": busy,
-                                     "ingest_pace_ms": pace})))
+    return _state_frame(status.sent)
 
 
 def _accept(listener: socket.socket, peers: dict[int, tuple[socket.socket, bytearray]],
