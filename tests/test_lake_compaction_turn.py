@@ -71,3 +71,34 @@ def test_the_merge_commits_once_while_the_exporter_commits_beside_it(tmp_path: P
     total = conn.execute("SELECT count(*) FROM lake.t").fetchone()
     assert total == (150 * 20000 + rounds.value * 1000,)
     conn.close()
+
+
+def test_a_step_whose_ducklake_commit_failed_runs_again_and_any_other_error_at_once() -> None:
+    """A maintenance step's failed DuckLake commit (its retry of a flush once built SQL with
+    an empty table name) kept nothing: `_call` runs the step again in a new transaction. An
+    error of another kind is the caller's at the first try."""
+    import duckdb
+
+    from warehouse.compaction import _call
+
+    conn = duckdb.connect()
+    calls = {"flaky": 0, "broken": 0}
+
+    def flaky() -> int:
+        calls["flaky"] += 1
+        if calls["flaky"] < 3:
+            raise RuntimeError('Failed to commit: Failed to commit DuckLake transaction.\n'
+                               'Failed to flush changes into DuckLake: syntax error at or near "<="')
+        return 7
+
+    def broken() -> int:
+        calls["broken"] += 1
+        raise RuntimeError("Failed to read the Parquet file: no such file")
+
+    conn.create_function("flaky", flaky, [], "INTEGER", side_effects=True)
+    conn.create_function("broken", broken, [], "INTEGER", side_effects=True)
+    assert _call(conn, "SELECT flaky()") == [(7,)]
+    assert calls["flaky"] == 3
+    with pytest.raises(duckdb.Error, match="no such file"):
+        _call(conn, "SELECT broken()")
+    assert calls["broken"] == 1

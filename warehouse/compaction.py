@@ -60,8 +60,17 @@ def _before_day(moment: datetime) -> str:
     return _instant(day - timedelta(microseconds=1))
 
 
+# DuckLake's own commit of a step failed: "Failed to commit DuckLake transaction." A step's
+# commit that met another process's commit is retried by DuckLake, and that retry of
+# `ducklake_flush_inlined_data` has been seen to build its SQL with an empty table name
+# ('syntax error at or near "<="'). The commit failed whole (its SQLite transaction rolled
+# back, the inlined rows where they were), so the step runs again in a fresh transaction.
+_FAILED_COMMIT = "failed to commit ducklake transaction"
+
+
 def _call(conn: duckdb.DuckDBPyConnection, sql: str) -> list[tuple[object, ...]]:
-    """Run one maintenance step, again while another process's commit stands in its way."""
+    """Run one maintenance step, again while another process's commit stands in its way (a
+    catalog locked or busy, a transaction aborted by a conflict, a failed DuckLake commit)."""
     def step() -> list[tuple[object, ...]]:
         try:
             return conn.execute(sql).fetchall()
@@ -72,7 +81,8 @@ def _call(conn: duckdb.DuckDBPyConnection, sql: str) -> list[tuple[object, ...]]
                 conn.execute("ROLLBACK")
             except duckdb.Error:
                 pass  # no transaction left open
-            if "transaction is aborted" in str(exc).lower():
+            text = str(exc).lower()
+            if "transaction is aborted" in text or _FAILED_COMMIT in text:
                 raise duckdb.TransactionException(f"conflict with another commit: {exc}") from exc
             raise
     return with_lake_retry(step)
