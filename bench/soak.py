@@ -3,7 +3,8 @@ at full batch speed for minutes, then stopped with SIGTERM and started again on 
 
 Every interval it prints the events/s of that interval (and the gate pairs/s with authorize
 p50/p99 when `--gate-clients` is given), each process's RSS and the cores it used (the load
-itself as `load`), the writer's RSS sampled every 0.5 s over the interval (min, median, max:
+itself as `load`), the cores of the writer's threads (its loop, the lake exporter, RocksDB,
+and the applier's threads, which end with each batch: `ended`), the writer's RSS sampled every 0.5 s over the interval (min, median, max:
 each checkpoint of the operational file's WAL moves it by 100 MiB and more), the sizes in the data folder, and the writer's memory by part (its
 `tollgate_writer_memory_bytes` metric: DuckDB's buffers, glibc's heap, RocksDB's parts),
 the export's lag and the snapshots the lake keeps, and the writer's upkeep in the interval:
@@ -185,6 +186,52 @@ def cpu_by_pid(root: int) -> dict[int, tuple[str, float]]:
             continue
         fields = stat[stat.rindex(")") + 2:].split()
         out[pid] = (_role(pid), (int(fields[11]) + int(fields[12])) / _TICK)
+    return out
+
+
+def writer_threads(pid: int | None) -> dict[int, tuple[str, float]]:
+    """CPU seconds of each live thread of the writer, with its name (`core.priority.
+    name_os_thread`: the exporter, the applier, the journal's threads; RocksDB names its
+    own), the loop (the main thread) as "loop", and the whole process as tid 0."""
+    out: dict[int, tuple[str, float]] = {}
+    if pid is None:
+        return out
+    task = Path("/proc") / str(pid) / "task"
+    try:
+        stat = (Path("/proc") / str(pid) / "stat").read_text()
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[0] = ("process", (int(fields[11]) + int(fields[12])) / _TICK)
+        tids = [int(entry.name) for entry in task.iterdir()]
+    except OSError:
+        return {}
+    for tid in tids:
+        try:
+            stat = (task / str(tid) / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        name = "loop" if tid == pid else stat[stat.index("(") + 1:stat.rindex(")")]
+        out[tid] = (name, (int(fields[11]) + int(fields[12])) / _TICK)
+    return out
+
+
+def cores_by_thread(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
+                    seconds: float) -> dict[str, float]:
+    """Cores of the writer by thread name between two `writer_threads` samples. The applier
+    runs a thread per batch, and /proc forgets a thread once it ends: what the process used
+    beyond its live threads is shown as `ended` (mostly the applier's)."""
+    if 0 not in before or 0 not in after:
+        return {}
+    out: dict[str, float] = {}
+    live = 0.0
+    for tid, (name, spent) in after.items():
+        if tid == 0:
+            continue
+        used = spent - before.get(tid, (name, 0.0))[1]
+        live += used
+        key = "rocksdb" if name.startswith("rocksdb") else name
+        out[key] = out.get(key, 0.0) + used / seconds
+    out["ended"] = max(0.0, after[0][1] - before[0][1] - live) / seconds
     return out
 
 
@@ -523,6 +570,7 @@ async def drive(service: Service, load: Load, args: argparse.Namespace,
     upkeep: dict[str, float] = {}  # the writer's upkeep counters at the last interval
     assert service.proc is not None
     last_cpu = cpu_by_pid(service.proc.pid)
+    last_threads = writer_threads(writer_pid(service.proc.pid))
     samples: list[float] = []
     sampler = asyncio.create_task(sample_writer_rss(service.proc.pid, samples))
     end = t0 + args.minutes * 60
@@ -534,6 +582,8 @@ async def drive(service: Service, load: Load, args: argparse.Namespace,
         load.auth_lat = []
         cpu = cpu_by_pid(service.proc.pid)
         cores = cores_by_role(last_cpu, cpu, span)
+        threads = writer_threads(writer_pid(service.proc.pid))
+        by_thread = cores_by_thread(last_threads, threads, span)
         rss, folder = rss_by_role(service.proc.pid), sizes(service.data_dir)
         band = sorted(samples) or [float("nan")]
         samples.clear()
@@ -544,7 +594,8 @@ async def drive(service: Service, load: Load, args: argparse.Namespace,
                "speed": speed,
                "pairs_s": (load.pairs - last_pairs) / span, "stored": load.events,
                "auth_p50": percentile(lat, 0.5) * 1e3, "auth_p99": percentile(lat, 0.99) * 1e3,
-               "rss": rss, "sizes": folder, "cores": cores, "writer_band": writer_band}
+               "rss": rss, "sizes": folder, "cores": cores, "writer_band": writer_band,
+               "writer_threads": by_thread}
         rows.append(row)
         gate = (f" pairs/s={row['pairs_s']:,.0f} auth p50/p99={row['auth_p50']:.1f}/"
                 f"{row['auth_p99']:.1f} ms" if args.gate_clients else "")
@@ -556,9 +607,11 @@ async def drive(service: Service, load: Load, args: argparse.Namespace,
               f" {'/'.join(f'{v:,.0f}' for v in writer_band)} | data MiB {_fmt(folder)}"
               f" | cores {' '.join(f'{k}={v:.2f}' for k, v in sorted(cores.items()) if v >= 0.01)}"
               f" (sum {sum(cores.values()):.2f})"
+              f" | writer threads {' '.join(f'{k}={v:.2f}' for k, v in sorted(by_thread.items(), key=lambda kv: -kv[1]) if v >= 0.01)}"
               f" | writer MiB {_fmt(writer_memory(service.data_dir))}"
               f"{lake_state(service.data_dir, upkeep)}", flush=True)
         last_t, last_events, last_pairs, last_cpu = now, load.events, load.pairs, cpu
+        last_threads = threads
         last_refusals = load.refusals
     load.stop = True
     sampler.cancel()

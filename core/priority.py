@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import threading
 
-__all__ = ["BACKGROUND_NICENESS", "DEFERRED_NICENESS", "run_deferred", "run_in_background"]
+__all__ = ["BACKGROUND_NICENESS", "DEFERRED_NICENESS", "name_os_thread", "run_deferred", "run_in_background"]
 
 BACKGROUND_NICENESS = 10
 DEFERRED_NICENESS = 19
@@ -39,13 +39,32 @@ DEFERRED_NICENESS = 19
 
 def run_in_background(niceness: int = BACKGROUND_NICENESS) -> None:
     """Lower the calling thread's priority to `niceness` (never raise it: a thread already
-    lower stays so). Threads and processes it starts afterwards inherit it. Not Linux, or not
-    allowed: it stays as it is."""
+    lower stays so), and give the thread its Python name in the system's tables too
+    (`name_os_thread`). Threads and processes it starts afterwards inherit both. Not Linux,
+    or not allowed: it stays as it is."""
     try:
         me = threading.get_native_id()
         if os.getpriority(os.PRIO_PROCESS, me) < niceness:
             os.setpriority(os.PRIO_PROCESS, me, niceness)
     except (AttributeError, OSError):
+        pass
+    name_os_thread()
+
+
+def name_os_thread(name: str | None = None) -> None:
+    """Name the calling thread for the system (`top -H`, `ps -L`, /proc/<pid>/task/<tid>/comm:
+    at most 15 bytes) as `name`, by default its Python name. Python does not do it, so every
+    thread of a process was shown as the process; named, the writer's exporter, applier and
+    journal threads can be told apart, and `bench/soak.py` reports the cores of each. The main
+    thread is left alone: it names the process. Not Linux: nothing."""
+    current = threading.current_thread()
+    if current is threading.main_thread():
+        return
+    label = (name or current.name).encode(errors="replace")[:15]
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "wb") as comm:
+            comm.write(label)
+    except OSError:
         pass
 
 

@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from core.priority import BACKGROUND_NICENESS, DEFERRED_NICENESS, run_deferred, run_in_background
+from core.priority import (
+    BACKGROUND_NICENESS,
+    DEFERRED_NICENESS,
+    name_os_thread,
+    run_deferred,
+    run_in_background,
+)
 from flows.workspace import close_lake, open_lake
 
 
@@ -64,6 +70,33 @@ def test_deferred_work_goes_below_background_work_and_never_back_up() -> None:
     _in_a_thread(lowered)
     assert DEFERRED_NICENESS > BACKGROUND_NICENESS
     assert seen == [DEFERRED_NICENESS, DEFERRED_NICENESS]
+
+
+def _comm(tid: int) -> str:
+    return (Path("/proc/self/task") / str(tid) / "comm").read_text().rstrip("\n")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux names threads in /proc")
+def test_a_background_thread_is_named_for_the_system_and_the_main_thread_is_not() -> None:
+    """`top -H` and the soak's cores by thread read these names: without them every thread
+    of the writer is shown as the process."""
+    main = threading.get_native_id()
+    before = _comm(main)
+    named: list[str] = []
+
+    def background() -> None:
+        run_in_background()
+        named.append(_comm(threading.get_native_id()))
+        name_os_thread("journal-apply")
+        named.append(_comm(threading.get_native_id()))
+
+    thread = threading.Thread(target=background, name="lake-exporter-of-a-long-name")
+    thread.start()
+    thread.join()
+    run_in_background(niceness=0)  # on the main thread: its name is the process's, kept
+    name_os_thread("not-the-main")
+    assert named == ["lake-exporter-o", "journal-apply"]  # 15 bytes at most
+    assert _comm(main) == before
 
 
 @pytest.mark.lake
