@@ -10,7 +10,8 @@ each checkpoint of the operational file's WAL moves it by 100 MiB and more), the
 the export's lag and the snapshots the lake keeps, and the writer's upkeep in the interval:
 the export's rounds and their mean time, the file's checkpoints and their time, and the
 events that left the file.
-At the end: the SIGTERM time and exit code, the restart time (until GET /healthz says ready),
+At the end: the SIGTERM time and exit code, the raw limit again with the service stopped
+(against the one before the load: the machine's speed for the raw path then), the restart time (until GET /healthz says ready),
 the writer's RSS after the restart, a dedupe check (the first event of the run, and with
 `--preload` the first event of the preloaded history, sent again: both must answer 200
 duplicate) and whether the lake holds every accepted event. The raw limit measured in the same
@@ -709,6 +710,11 @@ def main(argv: list[str] | None = None) -> int:
         stop_s, code = service.stop()
         print(f"SIGTERM: exited in {stop_s:.1f} s with {'SIGKILL (did not exit)' if code is None else code}",
               flush=True)
+        # The same measure again, the service stopped: how the machine runs the raw path's
+        # memory-heavy work (DuckDB's insert) now, against before the load.
+        raw_after = raw_limit(raw_bodies)
+        print(f"raw limit after the load (service stopped): {raw_after:,.0f} events/s"
+              f" ({raw_after / raw:.0%} of before)", flush=True)
         restart = service.start()
         rss_at = {}
         for after in (0.0, 20.0):
