@@ -4,19 +4,21 @@ at full batch speed for minutes, then stopped with SIGTERM and started again on 
 Every interval it prints the events/s of that interval (and the gate pairs/s with authorize
 p50/p99 when `--gate-clients` is given), each process's RSS and the cores it used (the load
 itself as `load`), the cores of the writer's threads (its loop, the lake exporter, RocksDB,
-and the applier's threads, which end with each batch: `ended`), the writer's RSS sampled every 0.5 s over the interval (min, median, max:
-each checkpoint of the operational file's WAL moves it by 100 MiB and more), the sizes in the data folder, and the writer's memory by part (its
-`tollgate_writer_memory_bytes` metric: DuckDB's buffers, glibc's heap, RocksDB's parts),
-the export's lag and the snapshots the lake keeps, and the writer's upkeep in the interval:
-the export's rounds and their mean time, the file's checkpoints and their time, and the
-events that left the file.
+and the applier's threads, which end with each batch: `ended`), the writer's RSS sampled
+every 0.5 s over the interval (min, median, max: each checkpoint of the operational file's
+WAL moves it by 100 MiB and more), the sizes in the data folder, and the writer's memory by
+part (its `tollgate_writer_memory_bytes` metric: DuckDB's buffers, glibc's heap, RocksDB's
+parts), the export's lag and the snapshots the lake keeps, and the writer's upkeep in the
+interval: the export's rounds and their mean time, the file's checkpoints and their time,
+and the events that left the file.
 At the end: the SIGTERM time and exit code, the raw limit again with the service stopped
-(against the one before the load: the machine's speed for the raw path then), the restart time (until GET /healthz says ready),
-the writer's RSS after the restart, a dedupe check (the first event of the run, and with
-`--preload` the first event of the preloaded history, sent again: both must answer 200
-duplicate) and whether the lake holds every accepted event. The raw limit measured in the same
-run is the in-process decode + validate + hash + DuckDB Arrow insert of the same events
-(`bench.ingest.raw_limit`), which the interval rates are compared with.
+(against the one before the load: the machine's speed for the raw path then), the restart
+time (until GET /healthz says ready), the writer's RSS after the restart, a dedupe check (the
+first event of the run, and with `--preload` the first event of the preloaded history, sent
+again: both must answer 200 duplicate) and whether the lake holds every accepted event. The
+raw limit measured in the same run is the in-process decode + validate + hash + DuckDB Arrow
+insert of the same events (`bench.ingest.raw_limit`), which the interval rates are compared
+with.
 
     python bench/soak.py [--minutes 10] [--clients 6] [--batch-size 1000] [--interval 30]
                          [--gate-clients 0] [--preload 0] [--keep DIR] [--warm]
@@ -176,6 +178,13 @@ _ACCEPTED = re.compile(rb'"accepted_count":(\d+)')
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
+def _cpu_seconds(stat: str) -> float:
+    """User + system CPU seconds from the text of a /proc `stat` file (a process's or a
+    thread's)."""
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
 def cpu_by_pid(root: int) -> dict[int, tuple[str, float]]:
     """CPU seconds (user + system, all threads) of `root` and its descendants, with their
     roles; this process (the load) as pid 0."""
@@ -185,8 +194,7 @@ def cpu_by_pid(root: int) -> dict[int, tuple[str, float]]:
             stat = (Path("/proc") / str(pid) / "stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[pid] = (_role(pid), (int(fields[11]) + int(fields[12])) / _TICK)
+        out[pid] = (_role(pid), _cpu_seconds(stat))
     return out
 
 
@@ -199,9 +207,7 @@ def writer_threads(pid: int | None) -> dict[int, tuple[str, float]]:
         return out
     task = Path("/proc") / str(pid) / "task"
     try:
-        stat = (Path("/proc") / str(pid) / "stat").read_text()
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[0] = ("process", (int(fields[11]) + int(fields[12])) / _TICK)
+        out[0] = ("process", _cpu_seconds((Path("/proc") / str(pid) / "stat").read_text()))
         tids = [int(entry.name) for entry in task.iterdir()]
     except OSError:
         return {}
@@ -210,9 +216,8 @@ def writer_threads(pid: int | None) -> dict[int, tuple[str, float]]:
             stat = (task / str(tid) / "stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
         name = "loop" if tid == pid else stat[stat.index("(") + 1:stat.rindex(")")]
-        out[tid] = (name, (int(fields[11]) + int(fields[12])) / _TICK)
+        out[tid] = (name, _cpu_seconds(stat))
     return out
 
 
@@ -595,8 +600,7 @@ async def drive(service: Service, load: Load, args: argparse.Namespace,
                "speed": speed,
                "pairs_s": (load.pairs - last_pairs) / span, "stored": load.events,
                "auth_p50": percentile(lat, 0.5) * 1e3, "auth_p99": percentile(lat, 0.99) * 1e3,
-               "rss": rss, "sizes": folder, "cores": cores, "writer_band": writer_band,
-               "writer_threads": by_thread}
+               "rss": rss, "sizes": folder, "cores": cores, "writer_band": writer_band}
         rows.append(row)
         gate = (f" pairs/s={row['pairs_s']:,.0f} auth p50/p99={row['auth_p50']:.1f}/"
                 f"{row['auth_p99']:.1f} ms" if args.gate_clients else "")
